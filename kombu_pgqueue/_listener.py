@@ -1,0 +1,79 @@
+"""The LISTEN connection: one dedicated autocommit session per consuming transport.
+
+Publishers send ``pg_notify(<schema>.notify, payload)`` in the statement that makes
+rows visible. Payloads are ``r:<queue>`` (messages are ready in that queue) or
+``d:<epoch>`` (a delayed message falls due then).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import psycopg
+from psycopg import sql
+
+from . import _pool
+from ._options import Options
+
+
+@dataclass(slots=True)
+class Wakeups:
+    """What a batch of notifications said."""
+
+    queues: set[str] = field(default_factory=set)
+    due: float | None = None
+
+    def add(self, payload: str) -> None:
+        kind, _, rest = payload.partition(":")
+        if kind == "r":
+            self.queues.add(rest)
+        elif kind == "d":
+            try:
+                when = float(rest)
+            except ValueError:
+                return
+            self.due = when if self.due is None else min(self.due, when)
+
+    def __bool__(self) -> bool:
+        return bool(self.queues) or self.due is not None
+
+
+class Listener:
+    def __init__(self, conninfo: str, options: Options) -> None:
+        self.conninfo = conninfo
+        self.options = options
+        self.conn: psycopg.Connection | None = None
+
+    def open(self) -> None:
+        if self.conn is not None and not self.conn.closed:
+            return
+        conn = _pool.connect(self.conninfo, self.options)
+        conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.options.channel)))
+        self.conn = conn
+
+    def fileno(self) -> int:
+        assert self.conn is not None
+        return self.conn.fileno()
+
+    def wait(self, timeout: float | None) -> Wakeups:
+        """Block up to ``timeout`` seconds for notifications; return all that came."""
+        assert self.conn is not None
+        found = Wakeups()
+        for notify in self.conn.notifies(timeout=timeout, stop_after=1):
+            found.add(notify.payload)
+        if found:
+            for notify in self.conn.notifies(timeout=0):
+                found.add(notify.payload)
+        return found
+
+    def drain(self) -> Wakeups:
+        """Read what has arrived without blocking."""
+        return self.wait(0)
+
+    def close(self) -> None:
+        conn, self.conn = self.conn, None
+        if conn is not None and not conn.closed:
+            try:
+                conn.close()
+            except psycopg.Error:
+                pass

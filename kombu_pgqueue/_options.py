@@ -1,0 +1,211 @@
+"""Pure functions: transport options and connection parameters.
+
+Nothing here touches a database, so it is unit-tested without one.
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from psycopg import conninfo as pg_conninfo
+from psycopg import pq
+
+from .exceptions import ConfigurationError
+
+DEFAULT_SCHEMA = "pgqueue"
+_MAX_IDENTIFIER = 63
+
+
+def _libpq_keywords() -> frozenset[str]:
+    return frozenset(
+        opt.keyword.decode() for opt in pq.Conninfo.get_defaults() if opt.keyword
+    )
+
+
+LIBPQ_KEYWORDS = _libpq_keywords()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Options:
+    """The transport options that shape the broker's behaviour."""
+
+    schema: str = DEFAULT_SCHEMA
+    visibility_timeout: float = 60.0
+    lease_renewal_interval: float | None = None
+    max_attempts: int = 5
+    polling_interval: float = 2.0
+    sweep_interval: float = 30.0
+    listen: bool = True
+    auto_migrate: bool = True
+    pool_max_size: int = 8
+    pool_timeout: float = 30.0
+    prepare_threshold: int | None = 5
+    libpq: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def renewal_interval(self) -> float:
+        return self.lease_renewal_interval or self.visibility_timeout / 3
+
+    @property
+    def claim_attempt_limit(self) -> int:
+        """``max_attempts`` as the claim statement takes it (0 = no limit)."""
+        return self.max_attempts if self.max_attempts > 0 else 2**31 - 1
+
+    @property
+    def channel(self) -> str:
+        return notify_channel(self.schema)
+
+
+def _number(name: str, value: Any, *, minimum: float, integer: bool = False) -> Any:
+    try:
+        number = int(value) if integer else float(value)
+    except (TypeError, ValueError):
+        raise ConfigurationError(
+            f"transport option {name!r} must be a number, got {value!r}"
+        ) from None
+    if number < minimum:
+        raise ConfigurationError(
+            f"transport option {name!r} must be at least {minimum}, got {value!r}"
+        )
+    return number
+
+
+def _flag(name: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in {"1", "true", "yes", "on", "0", "false", "no", "off"}:
+        return value.lower() in {"1", "true", "yes", "on"}
+    raise ConfigurationError(f"transport option {name!r} must be true or false, got {value!r}")
+
+
+def check_name(kind: str, name: Any) -> str:
+    """Return ``name`` if it can be stored as a queue/exchange name, else raise."""
+    if not isinstance(name, str):
+        raise ConfigurationError(f"{kind} name must be a string, got {name!r}")
+    if "\x00" in name:
+        raise ConfigurationError(f"{kind} name {name!r} contains a NUL character")
+    return name
+
+
+def check_schema(schema: Any) -> str:
+    schema = check_name("schema", schema)
+    if not schema or len(schema.encode()) > _MAX_IDENTIFIER:
+        raise ConfigurationError(
+            f"schema name {schema!r} must be 1 to {_MAX_IDENTIFIER} bytes long"
+        )
+    return schema
+
+
+def notify_channel(schema: str) -> str:
+    """Return the LISTEN/NOTIFY channel of ``schema`` (an identifier of at most 63 bytes)."""
+    name = f"{schema}.notify"
+    if len(name.encode()) <= _MAX_IDENTIFIER:
+        return name
+    return f"pgqueue.{zlib.crc32(schema.encode()):08x}.notify"
+
+
+def parse_options(transport_options: Mapping[str, Any]) -> Options:
+    """Build :class:`Options` from Kombu's ``transport_options``.
+
+    Unknown keys are ignored: Kombu itself puts retry-policy keys in there
+    (``Producer.publish(retry=True)``). Keys that are libpq keywords
+    (``sslmode``, ``application_name``, ...) are collected for the connection.
+    """
+    topts = dict(transport_options)
+    libpq = {k: str(v) for k, v in topts.items() if k in LIBPQ_KEYWORDS and v is not None}
+    libpq.update({k: str(v) for k, v in (topts.get("libpq") or {}).items()})
+    unknown = set(libpq) - LIBPQ_KEYWORDS
+    if unknown:
+        raise ConfigurationError(f"unknown libpq connection parameters: {sorted(unknown)}")
+    kwargs: dict[str, Any] = {"libpq": libpq}
+    if "schema" in topts:
+        kwargs["schema"] = check_schema(topts["schema"])
+    for name, minimum in (
+        ("visibility_timeout", 1.0),
+        ("polling_interval", 0.01),
+        ("sweep_interval", 0.1),
+        ("pool_timeout", 0.1),
+    ):
+        if topts.get(name) is not None:
+            kwargs[name] = _number(name, topts[name], minimum=minimum)
+    if topts.get("lease_renewal_interval") is not None:
+        kwargs["lease_renewal_interval"] = _number(
+            "lease_renewal_interval", topts["lease_renewal_interval"], minimum=0.05
+        )
+    for name, minimum in (("max_attempts", 0), ("pool_max_size", 2)):
+        if topts.get(name) is not None:
+            kwargs[name] = _number(name, topts[name], minimum=minimum, integer=True)
+    if "prepare_threshold" in topts:
+        value = topts["prepare_threshold"]
+        kwargs["prepare_threshold"] = (
+            None if value is None else _number("prepare_threshold", value, minimum=0, integer=True)
+        )
+    for name in ("listen", "auto_migrate"):
+        if name in topts:
+            kwargs[name] = _flag(name, topts[name])
+    options = Options(**kwargs)
+    if options.renewal_interval >= options.visibility_timeout:
+        raise ConfigurationError(
+            "transport option 'lease_renewal_interval' must be shorter than "
+            f"'visibility_timeout' ({options.visibility_timeout}s), "
+            f"got {options.renewal_interval}s"
+        )
+    return options
+
+
+def build_conninfo(
+    *,
+    hostname: str | None,
+    port: int | None,
+    userid: str | None,
+    password: str | None,
+    virtual_host: str | None,
+    connect_timeout: float | None = None,
+    libpq: Mapping[str, str] | None = None,
+) -> str:
+    """Turn Kombu's parsed URL fields into a libpq connection string.
+
+    ``hostname`` may itself be a libpq URL (``pgqueue+postgresql://...`` hands the
+    part after the ``+`` over unparsed); the other fields then only fill gaps.
+    """
+    params: dict[str, Any] = {}
+    if hostname and "://" in hostname:
+        try:
+            params.update(pg_conninfo.conninfo_to_dict(hostname))
+        except Exception as exc:
+            raise ConfigurationError(f"cannot parse database URL {mask(hostname)!r}: {exc}") from None
+    else:
+        if hostname:
+            params["host"] = hostname
+        if port:
+            params["port"] = port
+        if userid:
+            params["user"] = userid
+        if password:
+            params["password"] = password
+        if virtual_host and virtual_host != "/":
+            params["dbname"] = virtual_host.lstrip("/")
+    if connect_timeout and "connect_timeout" not in params:
+        # libpq takes whole seconds and treats 1 as 2; round up to stay honest
+        params["connect_timeout"] = max(2, int(-(-connect_timeout // 1)))
+    params.update(libpq or {})
+    params.setdefault("application_name", f"pgqueue[{os.getpid()}]")
+    try:
+        return pg_conninfo.make_conninfo(**params)
+    except Exception as exc:
+        raise ConfigurationError(f"bad connection parameters: {exc}") from None
+
+
+def mask(dsn: str) -> str:
+    """Return ``dsn`` with any password replaced by ``**``."""
+    try:
+        params = pg_conninfo.conninfo_to_dict(dsn)
+    except Exception:
+        return "<unparseable connection string>"
+    if "password" in params:
+        params["password"] = "**"
+    return pg_conninfo.make_conninfo(**params)

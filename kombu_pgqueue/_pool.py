@@ -1,0 +1,91 @@
+"""Connection lifecycle: one place that opens, shares and forgets connections.
+
+Every Kombu connection in a process that points at the same database shares one
+:class:`psycopg_pool.ConnectionPool` (Celery keeps a pool of Kombu connections per
+process; a PostgreSQL pool per Kombu connection would multiply server backends).
+After ``fork()`` the child forgets the parent's pools without closing them, since
+closing would end the parent's sessions on the shared sockets; psycopg's own
+pid check keeps the inherited objects from touching them.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+
+import psycopg
+from psycopg_pool import ConnectionPool
+
+from . import migrations
+from ._options import Options
+
+_lock = threading.Lock()
+_pools: dict[tuple[str, int, int | None], ConnectionPool] = {}
+_migrated: set[tuple[str, str]] = set()
+
+
+def _forget_after_fork() -> None:
+    global _lock
+    _lock = threading.Lock()
+    _pools.clear()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
+
+
+def connect(conninfo: str, options: Options) -> psycopg.Connection:
+    """Open a dedicated autocommit connection (errors are psycopg's, unwrapped)."""
+    return psycopg.connect(
+        conninfo, autocommit=True, prepare_threshold=options.prepare_threshold
+    )
+
+
+def _configure(conn: psycopg.Connection) -> None:
+    conn.autocommit = True
+
+
+def get_pool(conninfo: str, options: Options) -> ConnectionPool:
+    """Return this process's pool for ``conninfo``, opening it (and the schema) first.
+
+    The first call per database and schema opens a plain connection, so a wrong
+    password or a missing database raises at once with libpq's own message rather
+    than after a pool timeout, and installs or checks the schema.
+    """
+    key = (conninfo, options.pool_max_size, options.prepare_threshold)
+    with _lock:
+        pool = _pools.get(key)
+        if pool is None or (conninfo, options.schema) not in _migrated:
+            with connect(conninfo, options) as conn:
+                migrations.ensure(conn, options.schema, auto_migrate=options.auto_migrate)
+            _migrated.add((conninfo, options.schema))
+        if pool is None or pool.closed:
+            pool = ConnectionPool(
+                conninfo,
+                min_size=1,
+                max_size=options.pool_max_size,
+                timeout=options.pool_timeout,
+                kwargs={"autocommit": True, "prepare_threshold": options.prepare_threshold},
+                configure=_configure,
+                open=False,
+                name=f"pgqueue-{os.getpid()}",
+            )
+            pool.open(wait=True, timeout=options.pool_timeout)
+            _pools[key] = pool
+        return pool
+
+
+def forget_schema(conninfo: str, schema: str) -> None:
+    """Make the next :func:`get_pool` check ``schema`` again (after it was dropped)."""
+    with _lock:
+        _migrated.discard((conninfo, schema))
+
+
+@atexit.register
+def _close_all() -> None:
+    for pool in list(_pools.values()):
+        try:
+            pool.close(timeout=1)
+        except Exception:  # noqa: S110 - interpreter exit, nothing left to tell
+            pass
+    _pools.clear()

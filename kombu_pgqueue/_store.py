@@ -1,0 +1,321 @@
+"""The only code that executes SQL: one typed method per named query.
+
+Statements come from ``sql/queries.sql`` (see :mod:`._sql`). Each method borrows a
+pooled autocommit connection for one statement; nothing holds a transaction open
+between calls, so acks may come from any thread.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+import psycopg
+from psycopg import errors
+from psycopg_pool import ConnectionPool
+
+from . import _pool, _sql
+from ._options import Options
+from .exceptions import MessageError, PrivilegeError, SchemaError
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Outgoing:
+    """A message as the store writes it."""
+
+    queue: str
+    body: bytes
+    headers: str
+    properties: str
+    content_type: str | None = None
+    content_encoding: str | None = None
+    priority: int = 0
+    eta: datetime | None = None
+    expires_at: datetime | None = None
+    dedup_key: str | None = None
+
+    def params(self) -> dict[str, Any]:
+        return {
+            "queue": self.queue,
+            "body": self.body,
+            "headers": self.headers,
+            "properties": self.properties,
+            "content_type": self.content_type,
+            "content_encoding": self.content_encoding,
+            "priority": self.priority,
+            "eta": self.eta,
+            "expires_at": self.expires_at,
+            "dedup_key": self.dedup_key,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Delivered:
+    """A message as a claim hands it out."""
+
+    id: int
+    priority: int
+    attempts: int
+    body: bytes
+    content_type: str | None
+    content_encoding: str | None
+    headers: str
+    properties: str
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLetter:
+    id: int
+    queue: str
+    priority: int
+    attempts: int
+    reason: str
+    created_at: datetime
+    died_at: datetime
+    body: bytes
+    content_type: str | None
+    content_encoding: str | None
+    headers: str
+    properties: str
+
+
+def new_lease() -> int:
+    """Return a fencing token for one claim (positive, fits a bigint)."""
+    return secrets.randbits(62) + 1
+
+
+class Store:
+    """Typed access to one pgqueue schema through a shared connection pool."""
+
+    def __init__(self, conninfo: str, options: Options) -> None:
+        self.conninfo = conninfo
+        self.options = options
+        self.schema = options.schema
+        self._q = _sql.queries(options.schema)
+        self._pool: ConnectionPool | None = None
+
+    # -- lifecycle -------------------------------------------------------------
+
+    def open(self) -> None:
+        """Connect (raising psycopg's errors as they are) and check the schema."""
+        self._pool = _pool.get_pool(self.conninfo, self.options)
+
+    def check_pool(self) -> None:
+        """Drop pooled connections that died (after a database restart)."""
+        if self._pool is not None:
+            self._pool.check()
+
+    @property
+    def pool(self) -> ConnectionPool:
+        if self._pool is None:
+            self.open()
+        assert self._pool is not None
+        return self._pool
+
+    @contextmanager
+    def _translated(self, name: str) -> Iterator[None]:
+        # the one place that turns SQLSTATEs into pgqueue errors
+        try:
+            yield
+        except errors.UndefinedTable as exc:
+            _pool.forget_schema(self.conninfo, self.schema)
+            raise SchemaError(
+                f"pgqueue schema {self.schema!r} is missing a table ({exc.diag.message_primary}); "
+                "run: python -m kombu_pgqueue migrate"
+            ) from exc
+        except errors.InsufficientPrivilege as exc:
+            raise PrivilegeError(
+                f"the database role may not run {name!r} on schema {self.schema!r}: "
+                f"{exc.diag.message_primary}"
+            ) from exc
+        except (errors.ProgramLimitExceeded, errors.DataException) as exc:
+            raise MessageError(f"{name}: {exc.diag.message_primary}") from exc
+
+    def _rows(self, name: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
+        with self._translated(name), self.pool.connection() as conn:
+            cur = conn.execute(self._q[name], params)
+            return cur.fetchall() if cur.description else []
+
+    def _one(self, name: str, params: dict[str, Any]) -> tuple[Any, ...] | None:
+        rows = self._rows(name, params)
+        return rows[0] if rows else None
+
+    # -- publishing --------------------------------------------------------------
+
+    def publish(self, message: Outgoing) -> int | None:
+        """Store one message; return its id, or None when its dedup key was taken."""
+        row = self._one("publish", {**message.params(), "channel": self.options.channel})
+        return int(row[0]) if row else None
+
+    def publish_many(self, messages: Sequence[Outgoing]) -> int:
+        """Store many messages in one statement; return how many were inserted."""
+        if not messages:
+            return 0
+        columns: dict[str, list[Any]] = {key: [] for key in messages[0].params()}
+        for message in messages:
+            for key, value in message.params().items():
+                columns[key].append(value)
+        rows = self._rows("publish_many", {**columns, "channel": self.options.channel})
+        return int(rows[0][0]) if rows else 0
+
+    def publish_routed(self, exchange: str, routing_key: str, message: Outgoing) -> list[str]:
+        """Route through the shared bindings of ``exchange``; return the queues reached."""
+        params = {
+            **message.params(),
+            "exchange": exchange,
+            "routing_key": routing_key,
+            "channel": self.options.channel,
+        }
+        return [row[0] for row in self._rows("publish_routed", params)]
+
+    # -- consuming ---------------------------------------------------------------
+
+    def claim(
+        self, queue: str, limit: int, lease: int, now: datetime | None = None
+    ) -> list[Delivered]:
+        rows = self._rows(
+            "claim",
+            {
+                "queue": queue,
+                "limit": limit,
+                "lease": lease,
+                "lease_seconds": self.options.visibility_timeout,
+                "max_attempts": self.options.claim_attempt_limit,
+                "now": now,
+            },
+        )
+        return [Delivered(*row) for row in rows]
+
+    def take(self, queue: str, limit: int, now: datetime | None = None) -> list[Delivered]:
+        rows = self._rows("take", {"queue": queue, "limit": limit, "now": now})
+        rows.sort(key=lambda row: (-row[1], row[0]))
+        return [Delivered(*row) for row in rows]
+
+    def ack(self, id: int, lease: int) -> bool:
+        return self._one("ack", {"id": id, "lease": lease}) is not None
+
+    def ack_many(self, ids: Sequence[int], leases: Sequence[int]) -> int:
+        return len(self._rows("ack_many", {"ids": list(ids), "leases": list(leases)}))
+
+    def requeue(self, id: int, lease: int) -> bool:
+        params = {"id": id, "lease": lease, "channel": self.options.channel}
+        return self._one("requeue", params) is not None
+
+    def release(self, ids: Sequence[int], leases: Sequence[int]) -> None:
+        if ids:
+            params = {"ids": list(ids), "leases": list(leases), "channel": self.options.channel}
+            self._rows("release", params)
+
+    def bury(self, id: int, lease: int, reason: str) -> bool:
+        return self._one("bury", {"id": id, "lease": lease, "reason": reason}) is not None
+
+    def renew(
+        self, ids: Sequence[int], leases: Sequence[int], now: datetime | None = None
+    ) -> set[int]:
+        if not ids:
+            return set()
+        params = {
+            "ids": list(ids),
+            "leases": list(leases),
+            "lease_seconds": self.options.visibility_timeout,
+            "now": now,
+        }
+        return {row[0] for row in self._rows("renew", params)}
+
+    def poll(
+        self, queues: Sequence[str], now: datetime | None = None
+    ) -> tuple[set[str], float | None]:
+        """Promote due delayed messages; return (queues with ready messages, next due epoch)."""
+        rows = self._rows(
+            "poll", {"queues": list(queues), "now": now, "channel": self.options.channel}
+        )
+        ready = {row[0] for row in rows if row[0] is not None}
+        due = [row[1] for row in rows if row[1] is not None]
+        return ready & set(queues), (min(due) if due else None)
+
+    def sweep(self, now: datetime | None = None, min_expires: float = 30.0) -> dict[str, int]:
+        row = self._one("sweep", {"now": now, "min_expires": min_expires})
+        keys = ("expired_messages", "expired_queues", "bindings", "queue_messages")
+        return dict(zip(keys, (int(v) for v in row))) if row else {}
+
+    # -- queues, exchanges, bindings ---------------------------------------------
+
+    def declare_queue(
+        self,
+        queue: str,
+        *,
+        expires: float | None = None,
+        message_ttl: float | None = None,
+        max_priority: int | None = None,
+    ) -> None:
+        self._rows(
+            "declare_queue",
+            {
+                "queue": queue,
+                "expires": expires,
+                "message_ttl": message_ttl,
+                "max_priority": max_priority,
+            },
+        )
+
+    def queue_exists(self, queue: str) -> bool:
+        row = self._one("queue_exists", {"queue": queue})
+        return bool(row and row[0])
+
+    def delete_queue(self, queue: str) -> int:
+        row = self._one("delete_queue", {"queue": queue})
+        return int(row[0]) if row else 0
+
+    def size(self, queue: str, now: datetime | None = None) -> int:
+        row = self._one("size", {"queue": queue, "now": now})
+        return int(row[0]) if row else 0
+
+    def purge(self, queue: str, now: datetime | None = None) -> int:
+        row = self._one("purge", {"queue": queue, "now": now})
+        return int(row[0]) if row else 0
+
+    def declare_exchange(self, exchange: str, type: str) -> None:
+        self._rows("declare_exchange", {"exchange": exchange, "type": type})
+
+    def exchange_type(self, exchange: str) -> str | None:
+        row = self._one("exchange_type", {"exchange": exchange})
+        return str(row[0]) if row else None
+
+    def delete_exchange(self, exchange: str) -> None:
+        self._rows("delete_exchange", {"exchange": exchange})
+
+    def bind(self, exchange: str, routing_key: str, queue: str, pattern: str | None) -> None:
+        self._rows(
+            "bind",
+            {"exchange": exchange, "routing_key": routing_key, "queue": queue, "pattern": pattern},
+        )
+
+    def unbind(self, exchange: str, routing_key: str, queue: str) -> None:
+        self._rows(
+            "unbind", {"exchange": exchange, "routing_key": routing_key, "queue": queue}
+        )
+
+    def bindings(self, exchange: str) -> list[tuple[str, str | None, str]]:
+        return [(r[0], r[1], r[2]) for r in self._rows("bindings", {"exchange": exchange})]
+
+    # -- dead letters --------------------------------------------------------------
+
+    def dead_letters(self, queue: str | None = None, limit: int = 100) -> list[DeadLetter]:
+        rows = self._rows("dead_letters", {"queue": queue, "limit": limit})
+        return [DeadLetter(*row) for row in rows]
+
+    def requeue_dead(self, ids: Sequence[int]) -> list[str]:
+        params = {"ids": list(ids), "channel": self.options.channel}
+        return [row[0] for row in self._rows("requeue_dead", params)]
+
+    def purge_dead(self, queue: str | None = None) -> int:
+        row = self._one("purge_dead", {"queue": queue})
+        return int(row[0]) if row else 0
+
+
+def is_connection_error(exc: BaseException) -> bool:
+    return isinstance(exc, (psycopg.OperationalError, psycopg.InterfaceError))

@@ -1,0 +1,120 @@
+"""Schema migrations: forward-only ``sql/migrations/NNNN_slug.sql`` files.
+
+Applied versions are recorded in ``<schema>.schema_migration``. :func:`migrate`
+holds a transaction-level advisory lock keyed on the schema name, so workers that
+start together cannot apply the same migration twice.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import psycopg
+from psycopg import errors, sql
+
+from . import _sql
+from ._options import DEFAULT_SCHEMA, check_schema
+from .exceptions import PrivilegeError, SchemaError
+
+MIGRATE_COMMAND = "python -m kombu_pgqueue migrate --dsn <dsn> --schema {schema}"
+
+
+def latest_version() -> int:
+    """Return the version this code needs."""
+    return _sql.migration_files()[-1][0]
+
+
+def _lock_key(schema: str) -> int:
+    # a signed 64-bit key: stable across processes, distinct per schema
+    return zlib.crc32(f"pgqueue:{schema}".encode()) - 2**31
+
+
+def current_version(conn: psycopg.Connection, schema: str = DEFAULT_SCHEMA) -> int:
+    """Return the schema's applied version, 0 when it has none."""
+    schema = check_schema(schema)
+    row = conn.execute(
+        "SELECT to_regclass(format('%%I.schema_migration', %(schema)s::text)) IS NOT NULL",
+        {"schema": schema},
+    ).fetchone()
+    if not row or not row[0]:
+        return 0
+    found = conn.execute(
+        sql.SQL("SELECT coalesce(max(version), 0) FROM {}.schema_migration").format(
+            sql.Identifier(schema)
+        )
+    ).fetchone()
+    return int(found[0]) if found else 0
+
+
+def _privilege_error(conn: psycopg.Connection, schema: str, exc: Exception) -> PrivilegeError:
+    role = conn.info.parameter_status("session_authorization") or conn.info.user
+    return PrivilegeError(
+        f"role {role!r} may not create the pgqueue schema {schema!r} in database "
+        f"{conn.info.dbname!r} ({exc}). Grant it CREATE on the database "
+        f"(GRANT CREATE ON DATABASE {conn.info.dbname} TO {role}), or create the schema "
+        f"owned by it, or have an owner run: {MIGRATE_COMMAND.format(schema=schema)}"
+    )
+
+
+def migrate(conninfo: str | psycopg.Connection, schema: str = DEFAULT_SCHEMA) -> list[int]:
+    """Bring ``schema`` up to the latest version; return the versions applied."""
+    schema = check_schema(schema)
+    if isinstance(conninfo, psycopg.Connection):
+        return _migrate(conninfo, schema)
+    with psycopg.connect(conninfo) as conn:
+        return _migrate(conn, schema)
+
+
+def _migrate(conn: psycopg.Connection, schema: str) -> list[int]:
+    applied: list[int] = []
+    ident = sql.Identifier(schema)
+    try:
+        with conn.transaction():
+            conn.execute("SELECT pg_advisory_xact_lock(%s)", (_lock_key(schema),))
+            conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(ident))
+            conn.execute(
+                sql.SQL(
+                    "CREATE TABLE IF NOT EXISTS {}.schema_migration ("
+                    " version integer PRIMARY KEY,"
+                    " name text NOT NULL,"
+                    " applied_at timestamptz NOT NULL DEFAULT now())"
+                ).format(ident)
+            )
+            done = current_version(conn, schema)
+            for version, slug, text in _sql.migration_files():
+                if version <= done:
+                    continue
+                conn.execute(_sql.compose(text, schema))
+                conn.execute(
+                    sql.SQL("INSERT INTO {}.schema_migration (version, name) VALUES (%s, %s)").format(
+                        ident
+                    ),
+                    (version, slug),
+                )
+                applied.append(version)
+    except errors.InsufficientPrivilege as exc:
+        raise _privilege_error(conn, schema, exc) from exc
+    return applied
+
+
+def check(conn: psycopg.Connection, schema: str = DEFAULT_SCHEMA) -> None:
+    """Raise :class:`SchemaError` unless ``schema`` is at the latest version."""
+    have, need = current_version(conn, schema), latest_version()
+    if have >= need:
+        return
+    state = "does not exist" if have == 0 else f"is at version {have}"
+    raise SchemaError(
+        f"pgqueue schema {schema!r} in database {conn.info.dbname!r} {state}; this code "
+        f"needs version {need}. Run: {MIGRATE_COMMAND.format(schema=schema)} "
+        "(or leave the transport option auto_migrate on)"
+    )
+
+
+def ensure(conn: psycopg.Connection, schema: str, *, auto_migrate: bool) -> None:
+    """Migrate ``schema`` when allowed, else check it; cheap when already current."""
+    if current_version(conn, schema) >= latest_version():
+        return
+    if auto_migrate:
+        migrate(conn, schema)
+    else:
+        check(conn, schema)

@@ -1,0 +1,481 @@
+-- Every statement the broker runs at run time. {schema} is composed with
+-- psycopg.sql.Identifier; everything else is a %(named)s parameter. Each statement
+-- runs alone in autocommit, so each one is its own transaction, and a NOTIFY it
+-- sends goes out exactly when its rows become visible.
+-- Time is a parameter (NULL = the server's clock), so tests move it instead of sleeping.
+
+-- name: publish :one
+-- One message. A due message wakes consumers ('r:' + queue); a delayed one tells
+-- them when it falls due ('d:' + epoch seconds), so they can sleep until then.
+WITH inserted AS (
+    INSERT INTO {schema}.message (
+        queue, priority, delayed, next_iteration, expires_at, dedup_key,
+        body, content_type, content_encoding, headers, properties
+    )
+    VALUES (
+        %(queue)s,
+        %(priority)s,
+        coalesce(%(eta)s::timestamptz > now(), false),
+        coalesce(%(eta)s::timestamptz, now()),
+        least(
+            %(expires_at)s::timestamptz,
+            now() + (SELECT q.message_ttl FROM {schema}.queue AS q WHERE q.name = %(queue)s)
+        ),
+        %(dedup_key)s,
+        %(body)s,
+        %(content_type)s,
+        %(content_encoding)s,
+        %(headers)s::json,
+        %(properties)s::json
+    )
+    ON CONFLICT (queue, dedup_key) WHERE dedup_key IS NOT NULL DO NOTHING
+    RETURNING id, delayed, next_iteration
+)
+SELECT
+    inserted.id,
+    pg_notify(
+        %(channel)s,
+        CASE WHEN inserted.delayed
+            THEN 'd:' || extract(EPOCH FROM inserted.next_iteration)::text
+            ELSE 'r:' || %(queue)s
+        END
+    )
+FROM inserted;
+
+-- name: publish_many :many
+-- Many messages in one round trip, each column an array of the same length.
+WITH inserted AS (
+    INSERT INTO {schema}.message (
+        queue, priority, delayed, next_iteration, expires_at, dedup_key,
+        body, content_type, content_encoding, headers, properties
+    )
+    SELECT
+        m.queue,
+        m.priority,
+        coalesce(m.eta > now(), false),
+        coalesce(m.eta, now()),
+        least(m.expires_at, now() + q.message_ttl),
+        m.dedup_key,
+        m.body,
+        m.content_type,
+        m.content_encoding,
+        m.headers::json,
+        m.properties::json
+    FROM unnest(
+        %(queue)s::text[],
+        %(priority)s::smallint[],
+        %(eta)s::timestamptz[],
+        %(expires_at)s::timestamptz[],
+        %(dedup_key)s::text[],
+        %(body)s::bytea[],
+        %(content_type)s::text[],
+        %(content_encoding)s::text[],
+        %(headers)s::text[],
+        %(properties)s::text[]
+    ) AS m (
+        queue, priority, eta, expires_at, dedup_key,
+        body, content_type, content_encoding, headers, properties
+    )
+    LEFT JOIN {schema}.queue AS q ON q.name = m.queue
+    ON CONFLICT (queue, dedup_key) WHERE dedup_key IS NOT NULL DO NOTHING
+    RETURNING queue, delayed, next_iteration
+),
+wake AS (
+    SELECT DISTINCT
+        CASE WHEN delayed
+            THEN 'd:' || extract(EPOCH FROM min(next_iteration) FILTER (WHERE delayed) OVER ())::text
+            ELSE 'r:' || queue
+        END AS payload
+    FROM inserted
+)
+SELECT
+    (SELECT count(*) FROM inserted) AS inserted,
+    pg_notify(%(channel)s, wake.payload)
+FROM wake;
+
+-- name: publish_routed :many
+-- Routing happens here, against the shared bindings: one row per bound queue.
+WITH target AS (
+    SELECT DISTINCT b.queue
+    FROM {schema}.binding AS b
+    JOIN {schema}.exchange AS e ON e.name = b.exchange
+    WHERE b.exchange = %(exchange)s
+      AND (
+          e.type = 'fanout'
+          OR (e.type = 'direct' AND b.routing_key = %(routing_key)s)
+          OR (e.type = 'topic' AND %(routing_key)s ~ b.pattern)
+      )
+),
+inserted AS (
+    INSERT INTO {schema}.message (
+        queue, priority, delayed, next_iteration, expires_at,
+        body, content_type, content_encoding, headers, properties
+    )
+    SELECT
+        target.queue,
+        %(priority)s,
+        coalesce(%(eta)s::timestamptz > now(), false),
+        coalesce(%(eta)s::timestamptz, now()),
+        least(%(expires_at)s::timestamptz, now() + q.message_ttl),
+        %(body)s,
+        %(content_type)s,
+        %(content_encoding)s,
+        %(headers)s::json,
+        %(properties)s::json
+    FROM target
+    LEFT JOIN {schema}.queue AS q ON q.name = target.queue
+    RETURNING queue, delayed, next_iteration
+)
+SELECT
+    inserted.queue,
+    pg_notify(
+        %(channel)s,
+        CASE WHEN inserted.delayed
+            THEN 'd:' || extract(EPOCH FROM inserted.next_iteration)::text
+            ELSE 'r:' || inserted.queue
+        END
+    )
+FROM inserted;
+
+-- name: claim :many
+-- Lease up to %(limit)s ready messages of one queue, in priority then FIFO order.
+-- A message that already had %(max_attempts)s deliveries goes to the dead letters
+-- instead of out again.
+WITH candidate AS MATERIALIZED (
+    SELECT id, attempts
+    FROM {schema}.message
+    WHERE queue = %(queue)s
+      AND NOT delayed
+      AND next_iteration <= coalesce(%(now)s::timestamptz, now())
+      AND (expires_at IS NULL OR expires_at > coalesce(%(now)s::timestamptz, now()))
+    ORDER BY priority DESC, id
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+),
+exhausted AS (
+    DELETE FROM {schema}.message AS m
+    USING candidate AS c
+    WHERE m.id = c.id
+      AND c.attempts >= %(max_attempts)s
+    RETURNING m.id, m.queue, m.priority, m.attempts, m.created_at, m.body,
+              m.content_type, m.content_encoding, m.headers, m.properties
+),
+buried AS (
+    INSERT INTO {schema}.dead_letter (
+        id, queue, priority, attempts, reason, created_at,
+        body, content_type, content_encoding, headers, properties
+    )
+    SELECT id, queue, priority, attempts, 'max_attempts', created_at,
+           body, content_type, content_encoding, headers, properties
+    FROM exhausted
+    RETURNING id
+),
+leased AS (
+    UPDATE {schema}.message AS m
+    SET next_iteration = coalesce(%(now)s::timestamptz, now())
+                         + make_interval(secs => %(lease_seconds)s),
+        attempts = m.attempts + 1,
+        lease = %(lease)s
+    FROM candidate AS c
+    WHERE m.id = c.id
+      AND c.attempts < %(max_attempts)s
+    RETURNING m.id, m.priority, m.attempts, m.body, m.content_type,
+              m.content_encoding, m.headers, m.properties
+)
+SELECT id, priority, attempts, body, content_type, content_encoding,
+       headers::text, properties::text
+FROM leased
+ORDER BY priority DESC, id;
+
+-- name: take :many
+-- For no-ack consumers (Celery's remote control and events): the message is gone
+-- as it is handed out, as AMQP's no-ack delivery is.
+WITH candidate AS MATERIALIZED (
+    SELECT id
+    FROM {schema}.message
+    WHERE queue = %(queue)s
+      AND NOT delayed
+      AND next_iteration <= coalesce(%(now)s::timestamptz, now())
+      AND (expires_at IS NULL OR expires_at > coalesce(%(now)s::timestamptz, now()))
+    ORDER BY priority DESC, id
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+)
+DELETE FROM {schema}.message AS m
+USING candidate AS c
+WHERE m.id = c.id
+RETURNING m.id, m.priority, m.attempts + 1, m.body, m.content_type,
+          m.content_encoding, m.headers::text, m.properties::text;
+
+-- name: ack :one
+-- Fenced: only the delivery that holds the lease may delete the row.
+DELETE FROM {schema}.message
+WHERE id = %(id)s
+  AND lease = %(lease)s
+RETURNING id;
+
+-- name: ack_many :many
+DELETE FROM {schema}.message AS m
+USING unnest(%(ids)s::bigint[], %(leases)s::bigint[]) AS held (id, lease)
+WHERE m.id = held.id
+  AND m.lease = held.lease
+RETURNING m.id;
+
+-- name: requeue :one
+-- Visible again at once, at its old place in the queue.
+UPDATE {schema}.message
+SET next_iteration = now(),
+    lease = NULL
+WHERE id = %(id)s
+  AND lease = %(lease)s
+RETURNING id, pg_notify(%(channel)s, 'r:' || queue);
+
+-- name: release :many
+-- A closing consumer hands back what it held but never processed; the delivery
+-- does not count against max_attempts.
+WITH released AS (
+    UPDATE {schema}.message AS m
+    SET next_iteration = now(),
+        lease = NULL,
+        attempts = greatest(m.attempts - 1, 0)
+    FROM unnest(%(ids)s::bigint[], %(leases)s::bigint[]) AS held (id, lease)
+    WHERE m.id = held.id
+      AND m.lease = held.lease
+    RETURNING m.queue
+)
+SELECT DISTINCT queue, pg_notify(%(channel)s, 'r:' || queue)
+FROM released;
+
+-- name: bury :one
+-- Reject without requeue: into the dead letters with the reason.
+WITH gone AS (
+    DELETE FROM {schema}.message
+    WHERE id = %(id)s
+      AND lease = %(lease)s
+    RETURNING id, queue, priority, attempts, created_at, body,
+              content_type, content_encoding, headers, properties
+)
+INSERT INTO {schema}.dead_letter (
+    id, queue, priority, attempts, reason, created_at,
+    body, content_type, content_encoding, headers, properties
+)
+SELECT id, queue, priority, attempts, %(reason)s, created_at,
+       body, content_type, content_encoding, headers, properties
+FROM gone
+RETURNING id;
+
+-- name: renew :many
+-- A live consumer pushes its leases forward; a lease taken over by someone else
+-- does not match and is left alone.
+UPDATE {schema}.message AS m
+SET next_iteration = coalesce(%(now)s::timestamptz, now())
+                     + make_interval(secs => %(lease_seconds)s)
+FROM unnest(%(ids)s::bigint[], %(leases)s::bigint[]) AS held (id, lease)
+WHERE m.id = held.id
+  AND m.lease = held.lease
+RETURNING m.id;
+
+-- name: poll :many
+-- The consumer's slow safety poll, one round trip: make due delayed messages ready
+-- (and wake everyone for them), keep this consumer's expiring queues alive, say
+-- which of its queues have ready messages, and when the next delayed one is due.
+WITH due AS MATERIALIZED (
+    SELECT id
+    FROM {schema}.message
+    WHERE delayed
+      AND next_iteration <= coalesce(%(now)s::timestamptz, now())
+    ORDER BY next_iteration
+    LIMIT 10000
+    FOR UPDATE SKIP LOCKED
+),
+promoted AS (
+    UPDATE {schema}.message AS m
+    SET delayed = false
+    FROM due
+    WHERE m.id = due.id
+    RETURNING m.queue
+),
+woken AS MATERIALIZED (
+    SELECT promoted_queue.queue, pg_notify(%(channel)s, 'r:' || promoted_queue.queue)
+    FROM (SELECT DISTINCT queue FROM promoted) AS promoted_queue
+),
+touched AS (
+    UPDATE {schema}.queue
+    SET used_at = coalesce(%(now)s::timestamptz, now())
+    WHERE name = ANY(%(queues)s::text[])
+      AND expires IS NOT NULL
+    RETURNING name
+)
+SELECT woken.queue, NULL::float8 AS next_due
+FROM woken
+UNION ALL
+SELECT ready.queue, NULL
+FROM unnest(%(queues)s::text[]) AS ready (queue)
+WHERE EXISTS (
+    SELECT 1
+    FROM {schema}.message AS m
+    WHERE m.queue = ready.queue
+      AND NOT m.delayed
+      AND m.next_iteration <= coalesce(%(now)s::timestamptz, now())
+      AND (m.expires_at IS NULL OR m.expires_at > coalesce(%(now)s::timestamptz, now()))
+)
+UNION ALL
+SELECT NULL, extract(EPOCH FROM min(m.next_iteration))::float8
+FROM {schema}.message AS m
+WHERE m.delayed
+  AND m.next_iteration > coalesce(%(now)s::timestamptz, now());
+
+-- name: sweep :one
+-- Garbage collection, run now and then by consumers: expired messages go (as on
+-- RabbitMQ, a message past its TTL is dropped), and so do queues unused for longer
+-- than their x-expires (at least %(min_expires)s seconds), with their messages and
+-- bindings.
+WITH expired_message AS (
+    DELETE FROM {schema}.message
+    WHERE expires_at <= coalesce(%(now)s::timestamptz, now())
+      AND (lease IS NULL OR next_iteration <= coalesce(%(now)s::timestamptz, now()))
+    RETURNING id
+),
+expired_queue AS (
+    DELETE FROM {schema}.queue
+    WHERE expires IS NOT NULL
+      AND used_at + greatest(expires, make_interval(secs => %(min_expires)s))
+          < coalesce(%(now)s::timestamptz, now())
+    RETURNING name
+),
+unbound AS (
+    DELETE FROM {schema}.binding AS b
+    USING expired_queue AS q
+    WHERE b.queue = q.name
+    RETURNING b.queue
+),
+emptied AS (
+    DELETE FROM {schema}.message AS m
+    USING expired_queue AS q
+    WHERE m.queue = q.name
+    RETURNING m.id
+)
+SELECT
+    (SELECT count(*) FROM expired_message) AS expired_messages,
+    (SELECT count(*) FROM expired_queue) AS expired_queues,
+    (SELECT count(*) FROM unbound) AS bindings,
+    (SELECT count(*) FROM emptied) AS queue_messages;
+
+-- name: declare_queue :one
+INSERT INTO {schema}.queue (name, expires, message_ttl, max_priority)
+VALUES (
+    %(queue)s,
+    make_interval(secs => %(expires)s),
+    make_interval(secs => %(message_ttl)s),
+    %(max_priority)s
+)
+ON CONFLICT (name) DO UPDATE
+SET expires = excluded.expires,
+    message_ttl = excluded.message_ttl,
+    max_priority = excluded.max_priority,
+    used_at = now()
+RETURNING name;
+
+-- name: queue_exists :one
+SELECT EXISTS (SELECT 1 FROM {schema}.queue WHERE name = %(queue)s)
+    OR EXISTS (SELECT 1 FROM {schema}.message WHERE queue = %(queue)s);
+
+-- name: delete_queue :one
+WITH unbound AS (
+    DELETE FROM {schema}.binding WHERE queue = %(queue)s RETURNING queue
+),
+emptied AS (
+    DELETE FROM {schema}.message WHERE queue = %(queue)s RETURNING id
+),
+dropped AS (
+    DELETE FROM {schema}.queue WHERE name = %(queue)s RETURNING name
+)
+SELECT (SELECT count(*) FROM emptied);
+
+-- name: size :one
+-- Messages waiting in the queue: ready or delayed, not held by a live lease.
+SELECT count(*)
+FROM {schema}.message
+WHERE queue = %(queue)s
+  AND (lease IS NULL OR next_iteration <= coalesce(%(now)s::timestamptz, now()));
+
+-- name: purge :one
+-- Removes waiting messages; messages held by a live lease stay with their consumer.
+WITH purged AS (
+    DELETE FROM {schema}.message
+    WHERE queue = %(queue)s
+      AND (lease IS NULL OR next_iteration <= coalesce(%(now)s::timestamptz, now()))
+    RETURNING id
+)
+SELECT count(*) FROM purged;
+
+-- name: declare_exchange :one
+INSERT INTO {schema}.exchange (name, type)
+VALUES (%(exchange)s, %(type)s)
+ON CONFLICT (name) DO UPDATE
+SET type = excluded.type
+RETURNING name;
+
+-- name: exchange_type :one
+SELECT type FROM {schema}.exchange WHERE name = %(exchange)s;
+
+-- name: delete_exchange :one
+WITH unbound AS (
+    DELETE FROM {schema}.binding WHERE exchange = %(exchange)s RETURNING queue
+)
+DELETE FROM {schema}.exchange WHERE name = %(exchange)s
+RETURNING name;
+
+-- name: bind :one
+INSERT INTO {schema}.binding (exchange, routing_key, queue, pattern)
+VALUES (%(exchange)s, %(routing_key)s, %(queue)s, %(pattern)s)
+ON CONFLICT (exchange, routing_key, queue) DO UPDATE
+SET pattern = excluded.pattern
+RETURNING queue;
+
+-- name: unbind :one
+DELETE FROM {schema}.binding
+WHERE exchange = %(exchange)s
+  AND routing_key = %(routing_key)s
+  AND queue = %(queue)s
+RETURNING queue;
+
+-- name: bindings :many
+SELECT routing_key, pattern, queue
+FROM {schema}.binding
+WHERE exchange = %(exchange)s
+ORDER BY routing_key, queue;
+
+-- name: dead_letters :many
+SELECT id, queue, priority, attempts, reason, created_at, died_at,
+       body, content_type, content_encoding, headers::text, properties::text
+FROM {schema}.dead_letter
+WHERE (%(queue)s::text IS NULL OR queue = %(queue)s)
+ORDER BY died_at, id
+LIMIT %(limit)s;
+
+-- name: requeue_dead :many
+-- Dead letters back into their queue as new deliveries (attempts start again).
+WITH revived AS (
+    DELETE FROM {schema}.dead_letter
+    WHERE id = ANY(%(ids)s::bigint[])
+    RETURNING queue, priority, body, content_type, content_encoding, headers, properties
+),
+inserted AS (
+    INSERT INTO {schema}.message (
+        queue, priority, body, content_type, content_encoding, headers, properties
+    )
+    SELECT queue, priority, body, content_type, content_encoding, headers, properties
+    FROM revived
+    RETURNING queue
+)
+SELECT DISTINCT queue, pg_notify(%(channel)s, 'r:' || queue)
+FROM inserted;
+
+-- name: purge_dead :one
+WITH purged AS (
+    DELETE FROM {schema}.dead_letter
+    WHERE (%(queue)s::text IS NULL OR queue = %(queue)s)
+    RETURNING id
+)
+SELECT count(*) FROM purged;

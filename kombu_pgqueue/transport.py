@@ -1,0 +1,636 @@
+"""pgqueue transport: PostgreSQL as a Kombu/Celery broker.
+
+Features
+========
+* Type: Virtual
+* Supports Direct: Yes
+* Supports Topic: Yes
+* Supports Fanout: Yes (bindings are rows, so every process routes alike)
+* Supports Priority: Yes (AMQP order: higher first, 0-255)
+* Supports TTL: Yes (``expiration``, ``x-message-ttl``, ``x-expires``)
+* Supports native delayed delivery: Yes (Celery ``eta``/``countdown``)
+* Evented: Yes (LISTEN/NOTIFY socket registered with the event loop)
+
+Messages are rows. A consumer claims a batch with one ``FOR UPDATE SKIP LOCKED``
+statement that also leases the rows (``visibility_timeout``) and counts the
+attempt. Ack deletes the row, fenced by the lease. A live consumer renews its
+leases; a dead one's messages come back when the lease ends. A message delivered
+``max_attempts`` times without an ack moves to the ``dead_letter`` table.
+
+Connection string
+=================
+.. code-block::
+
+    pgqueue://USER:PASSWORD@HOST:PORT/DBNAME
+    pgqueue://USER@%2Fvar%2Frun%2Fpostgresql/DBNAME      (Unix socket directory)
+    pgqueue+postgresql://USER@HOST/DBNAME?sslmode=require (any libpq URL after the +)
+    pgqueue://dead-host/db;pgqueue://live-host/db         (failover list)
+
+Kombu rejects unknown query parameters on ``pgqueue://`` URLs, so libpq options
+(``sslmode``, ``application_name``, ``target_session_attrs``, ...) go in the
+transport options or after ``pgqueue+``. Apps that cannot import
+``kombu_pgqueue`` before connecting set
+``broker_transport = "kombu_pgqueue.transport:Transport"``.
+
+Transport options
+=================
+* ``schema`` (str, ``"pgqueue"``): schema holding the broker's tables.
+* ``visibility_timeout`` (float, 60): lease length in seconds. A dead consumer's
+  messages come back after this long; a live one renews before it runs out.
+* ``lease_renewal_interval`` (float, visibility_timeout / 3): seconds between renewals.
+* ``max_attempts`` (int, 5): deliveries without an ack before a message is moved to
+  the dead letters. 0 turns the limit off.
+* ``polling_interval`` (float, 2.0): seconds between safety polls, which catch what a
+  lost notification missed and keep expiring queues alive. With LISTEN off this is
+  the delivery latency.
+* ``sweep_interval`` (float, 30): seconds between removals of expired messages
+  and unused ``x-expires`` queues.
+* ``listen`` (bool, True): wait on LISTEN/NOTIFY. Turn off behind PgBouncer in
+  transaction mode (then also set ``prepare_threshold`` to None).
+* ``auto_migrate`` (bool, True): install or upgrade the schema on first connect.
+  When off, a missing or old schema raises :class:`~kombu_pgqueue.SchemaError`
+  naming ``python -m kombu_pgqueue migrate``.
+* ``pool_max_size`` (int, 8): pooled connections per process and database.
+* ``pool_timeout`` (float, 30): seconds to wait for a pooled connection.
+* ``prepare_threshold`` (int or None, 5): psycopg's server-side prepare threshold.
+* ``libpq`` (dict, {}): extra libpq connection parameters; top-level options
+  named like libpq keywords (``sslmode``, ``application_name``, ...) go there too.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+import psycopg
+from kombu.exceptions import ChannelError
+from kombu.transport import base, virtual
+from kombu.transport.virtual.base import Empty
+from kombu.utils.json import dumps, loads
+from kombu.utils.objects import cached_property
+
+from ._leases import LeaseKeeper
+from ._listener import Listener, Wakeups
+from ._options import build_conninfo, check_name, parse_options
+from ._store import Delivered, Outgoing, Store, new_lease
+from .exceptions import ConfigurationError, MessageError
+
+logger = logging.getLogger(__name__)
+
+#: a batch size for consumers that set no prefetch limit
+UNLIMITED_BATCH = 100
+
+
+def _parse_tag(delivery_tag: str) -> tuple[int, int]:
+    message_id, _, lease = str(delivery_tag).partition(".")
+    return int(message_id), int(lease or 0)
+
+
+def _parse_eta(value: Any) -> datetime | None:
+    if not value:
+        return None
+    if isinstance(value, datetime):
+        eta = value
+    else:
+        try:
+            eta = datetime.fromisoformat(str(value).replace("Z", "+00:00"))
+        except ValueError:
+            logger.warning("pgqueue: ignoring unparseable eta header %r", value)
+            return None
+    return eta if eta.tzinfo else eta.replace(tzinfo=timezone.utc)
+
+
+def _ms_from_now(value: Any) -> datetime | None:
+    if value in (None, ""):
+        return None
+    try:
+        return datetime.now(timezone.utc) + timedelta(milliseconds=float(value))
+    except (TypeError, ValueError, OverflowError):
+        raise MessageError(f"message expiration must be milliseconds, got {value!r}") from None
+
+
+def _seconds(ms: Any) -> float | None:
+    return None if ms is None else float(ms) / 1000.0
+
+
+class QoS(virtual.QoS):
+    """Prefetch accounting over leases: ack, reject and restore go to the database."""
+
+    def held(self) -> list[tuple[int, int]]:
+        """(id, lease) of every message this channel holds unacked."""
+        for _ in range(5):
+            try:
+                tags = [tag for tag in list(self._delivered) if tag not in self._dirty]
+                return [_parse_tag(tag) for tag in tags]
+            except RuntimeError:  # the consuming thread changed the dict meanwhile
+                continue
+        return []
+
+    def ack(self, delivery_tag: str) -> None:
+        message_id, lease = _parse_tag(delivery_tag)
+        if not self.channel.store.ack(message_id, lease):
+            logger.warning(
+                "pgqueue: ack of message %s came after its lease ended; it may run again",
+                message_id,
+            )
+        super().ack(delivery_tag)
+
+    def reject(self, delivery_tag: str, requeue: bool = False) -> None:
+        message_id, lease = _parse_tag(delivery_tag)
+        if requeue:
+            self.channel.store.requeue(message_id, lease)
+        else:
+            self.channel.store.bury(message_id, lease, "rejected")
+        self._quick_ack(delivery_tag)
+
+    def restore_unacked(self) -> list[Any]:
+        """Hand back every held message at once; they are redelivered immediately."""
+        self._flush()
+        held = self.held()
+        self._delivered.clear()
+        if held:
+            try:
+                self.channel.store.release([i for i, _ in held], [lease for _, lease in held])
+            except psycopg.Error as exc:
+                logger.warning(
+                    "pgqueue: could not release %d messages (%r); they return when "
+                    "their leases end",
+                    len(held),
+                    exc,
+                )
+        return []
+
+
+class Channel(virtual.Channel):
+    QoS = QoS
+    supports_fanout = True
+    # bodies are stored as bytea; no base64 on the way
+    body_encoding = None
+    max_priority = 255
+    from_transport_options = ("deadletter_queue",)
+
+    def __init__(self, connection: Transport, **kwargs: Any) -> None:
+        super().__init__(connection, **kwargs)
+        self.store: Store = connection.store
+        self._noack_queues: set[str] = set()
+
+    # -- declarations ----------------------------------------------------------
+
+    def prepare_queue_arguments(self, arguments: Any, **kwargs: Any) -> Any:
+        return base.to_rabbitmq_queue_arguments(arguments, **kwargs)
+
+    def _new_queue(self, queue: str, **kwargs: Any) -> None:
+        check_name("queue", queue)
+        arguments = kwargs.get("arguments") or {}
+        self.store.declare_queue(
+            queue,
+            expires=_seconds(arguments.get("x-expires")),
+            message_ttl=_seconds(arguments.get("x-message-ttl")),
+            max_priority=arguments.get("x-max-priority"),
+        )
+
+    def _has_queue(self, queue: str, **kwargs: Any) -> bool:
+        return self.store.queue_exists(queue)
+
+    def queue_delete(
+        self, queue: str, if_unused: bool = False, if_empty: bool = False, **kwargs: Any
+    ) -> int | None:
+        if if_empty and self._size(queue):
+            return None
+        deleted = self.store.delete_queue(queue)
+        self.state.queue_bindings_delete(queue)
+        return deleted
+
+    def _delete(self, queue: str, *args: Any, **kwargs: Any) -> None:
+        self.store.delete_queue(queue)
+
+    def _size(self, queue: str) -> int:
+        return self.store.size(queue)
+
+    def _purge(self, queue: str) -> int:
+        return self.store.purge(queue)
+
+    def exchange_declare(
+        self,
+        exchange: str | None = None,
+        type: str = "direct",
+        durable: bool = False,
+        auto_delete: bool = False,
+        arguments: Any = None,
+        nowait: bool = False,
+        passive: bool = False,
+    ) -> None:
+        if exchange is None:
+            return
+        check_name("exchange", exchange)
+        if passive:
+            if self._exchange_type(exchange) is None:
+                raise ChannelError(
+                    f"NOT_FOUND - no exchange {exchange!r}", (50, 10), "Channel.exchange_declare", "404"
+                )
+            return
+        if type not in self.exchange_types:
+            raise ConfigurationError(
+                f"exchange {exchange!r}: type {type!r} is not supported by pgqueue "
+                f"(supported: {', '.join(sorted(self.exchange_types))})"
+            )
+        super().exchange_declare(exchange, type, durable, auto_delete, arguments, nowait)
+        self.store.declare_exchange(exchange, type)
+
+    def _exchange_type(self, exchange: str) -> str | None:
+        try:
+            return str(self.state.exchanges[exchange]["type"])
+        except KeyError:
+            return self.store.exchange_type(exchange)
+
+    def typeof(self, exchange: str, default: str = "direct") -> Any:
+        # an exchange declared by another process is known from the table
+        return self.exchange_types[self._exchange_type(exchange) or default]
+
+    def exchange_delete(self, exchange: str, if_unused: bool = False, nowait: bool = False) -> None:
+        self.store.delete_exchange(exchange)
+        self.state.exchanges.pop(exchange, None)
+
+    def _queue_bind(self, exchange: str, routing_key: str, pattern: Any, queue: str) -> None:
+        self.store.bind(exchange, routing_key or "", queue, pattern)
+
+    def queue_unbind(
+        self,
+        queue: str,
+        exchange: str | None = None,
+        routing_key: str = "",
+        arguments: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        if exchange:
+            self.store.unbind(exchange, routing_key or "", queue)
+        try:
+            super().queue_unbind(queue, exchange, routing_key, arguments, **kwargs)
+        except KeyError:
+            pass
+
+    def get_table(self, exchange: str) -> list[tuple[str, Any, str]]:
+        return self.store.bindings(exchange)
+
+    # -- publishing ----------------------------------------------------------------
+
+    def _outgoing(self, queue: str, message: dict[str, Any]) -> Outgoing:
+        body = message.get("body")
+        if body is None:
+            body = b""
+        elif isinstance(body, str):
+            body = body.encode("utf-8")
+        elif not isinstance(body, (bytes, bytearray, memoryview)):
+            raise MessageError(f"message body must be str or bytes, got {type(body).__name__}")
+        headers = message.get("headers") or {}
+        properties = message.get("properties") or {}
+        try:
+            headers_json = dumps(headers)
+            properties_json = dumps(properties)
+        except (TypeError, ValueError) as exc:
+            raise MessageError(
+                f"message for queue {queue!r} has headers or properties that cannot be "
+                f"stored as JSON: {exc}"
+            ) from exc
+        return Outgoing(
+            queue=queue,
+            body=bytes(body),
+            headers=headers_json,
+            properties=properties_json,
+            content_type=message.get("content-type"),
+            content_encoding=message.get("content-encoding"),
+            priority=self._get_message_priority(message),
+            eta=_parse_eta(headers.get("eta")),
+            expires_at=_ms_from_now(properties.get("expiration")),
+        )
+
+    def basic_publish(
+        self, message: dict[str, Any], exchange: str, routing_key: str, **kwargs: Any
+    ) -> None:
+        self._inplace_augment_message(message, exchange, routing_key)
+        if exchange:
+            check_name("exchange", exchange)
+            self.store.publish_routed(exchange, routing_key or "", self._outgoing("", message))
+        else:
+            self._put(routing_key, message)
+
+    def _put(self, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
+        check_name("queue", queue)
+        if not queue:
+            raise ConfigurationError("cannot publish to the default exchange without a queue name")
+        self.store.publish(self._outgoing(queue, message))
+
+    def _put_fanout(self, exchange: str, message: dict[str, Any], routing_key: str, **kwargs: Any) -> None:
+        self.store.publish_routed(exchange, routing_key or "", self._outgoing("", message))
+
+    # -- consuming -----------------------------------------------------------------
+
+    def basic_consume(
+        self, queue: str, no_ack: bool, callback: Any, consumer_tag: str, **kwargs: Any
+    ) -> Any:
+        check_name("queue", queue)
+        if no_ack:
+            self._noack_queues.add(queue)
+        else:
+            self._noack_queues.discard(queue)
+        result = super().basic_consume(queue, no_ack, callback, consumer_tag, **kwargs)
+        self.connection.on_consume(self, queue)
+        return result
+
+    def basic_cancel(self, consumer_tag: str) -> Any:
+        queue = self._tag_to_queue.get(consumer_tag)
+        result = super().basic_cancel(consumer_tag)
+        if queue is not None and queue not in self._active_queues:
+            self._noack_queues.discard(queue)
+            self.connection.on_cancel(self, queue)
+        return result
+
+    def batch_limit(self) -> int:
+        """How many messages this channel may take now (prefetch window)."""
+        if not self.qos.can_consume():
+            return 0
+        estimate = self.qos.can_consume_max_estimate()
+        return UNLIMITED_BATCH if estimate is None else int(estimate)
+
+    def fetch(self, queue: str, limit: int) -> list[dict[str, Any]]:
+        """Claim up to ``limit`` messages of ``queue`` as Kombu payloads."""
+        if queue in self._noack_queues:
+            return [self._payload(row, queue, 0) for row in self.store.take(queue, limit)]
+        lease = new_lease()
+        return [self._payload(row, queue, lease) for row in self.store.claim(queue, limit, lease)]
+
+    def _payload(self, row: Delivered, queue: str, lease: int) -> dict[str, Any]:
+        properties = loads(row.properties)
+        properties["delivery_tag"] = f"{row.id}.{lease}"
+        properties.pop("expiration", None)
+        delivery_info = properties.setdefault("delivery_info", {})
+        delivery_info.update(
+            redelivered=row.attempts > 1,
+            pgqueue_id=row.id,
+            pgqueue_queue=queue,
+            pgqueue_attempts=row.attempts,
+        )
+        return {
+            "body": bytes(row.body),
+            "content-type": row.content_type,
+            "content-encoding": row.content_encoding,
+            "headers": loads(row.headers),
+            "properties": properties,
+        }
+
+    def _get(self, queue: str, timeout: float | None = None) -> dict[str, Any]:
+        rows = self.fetch(queue, 1)
+        if not rows:
+            raise Empty()
+        return rows[0]
+
+    def basic_get(self, queue: str, no_ack: bool = False, **kwargs: Any) -> Any:
+        check_name("queue", queue)
+        if no_ack:
+            rows = [self._payload(row, queue, 0) for row in self.store.take(queue, 1)]
+        else:
+            rows = self.fetch(queue, 1)
+        if not rows:
+            return None
+        message = self.Message(rows[0], channel=self)
+        if not no_ack:
+            self.qos.append(message, message.delivery_tag)
+            self.connection.keep_leases()
+        return message
+
+
+class Transport(virtual.Transport):
+    Channel = Channel
+
+    default_port = 5432
+    driver_type = "pgqueue"
+    driver_name = "psycopg"
+    polling_interval = 2.0
+
+    implements = virtual.Transport.implements.extend(
+        asynchronous=True,
+        exchange_type=frozenset(["direct", "topic", "fanout"]),
+        heartbeats=False,
+    )
+
+    connection_errors = virtual.Transport.connection_errors + (
+        psycopg.OperationalError,
+        psycopg.InterfaceError,
+    )
+    channel_errors = virtual.Transport.channel_errors
+
+    def __init__(self, client: Any, **kwargs: Any) -> None:
+        self.options = parse_options(client.transport_options)
+        super().__init__(client, **kwargs)
+        self.polling_interval = self.options.polling_interval
+        self.store = Store(self._conninfo(), self.options)
+        self._listener: Listener | None = None
+        self._keeper = LeaseKeeper(self.store, self._held, self.options.renewal_interval)
+        self._owner: dict[str, Channel] = {}
+        self._pending: set[str] = set()
+        self._next_due: float | None = None
+        self._next_poll = 0.0
+        self._next_sweep = 0.0
+        self._loop: Any = None
+        self._loop_fd: int | None = None
+        self._timers: list[Any] = []
+
+    def driver_version(self) -> str:
+        return str(psycopg.__version__)
+
+    def _conninfo(self) -> str:
+        client = self.client
+        return build_conninfo(
+            hostname=client.hostname,
+            port=client.port,
+            userid=client.userid,
+            password=client.password,
+            virtual_host=client.virtual_host,
+            connect_timeout=client.connect_timeout,
+            libpq=self.options.libpq,
+        )
+
+    # -- connection lifecycle --------------------------------------------------
+
+    def establish_connection(self) -> Any:
+        conninfo = self._conninfo()
+        if conninfo != self.store.conninfo:  # failover switched hosts
+            self.store = Store(conninfo, self.options)
+            self._keeper.store = self.store
+        self.store.open()
+        self.store.check_pool()
+        return super().establish_connection()
+
+    def close_connection(self, connection: Any) -> None:
+        try:
+            super().close_connection(connection)
+        finally:
+            self._keeper.stop()
+            self._unregister()
+            if self._listener is not None:
+                self._listener.close()
+                self._listener = None
+            self._pending.clear()
+
+    def _ensure_listener(self) -> Listener | None:
+        if not self.options.listen:
+            return None
+        if self._listener is None:
+            self._listener = Listener(self.store.conninfo, self.options)
+        self._listener.open()
+        return self._listener
+
+    # -- bookkeeping shared by both delivery modes ---------------------------------
+
+    def on_consume(self, channel: Channel, queue: str) -> None:
+        self._owner[queue] = channel
+        self._pending.add(queue)
+        self._ensure_listener()
+        self.keep_leases()
+
+    def on_cancel(self, channel: Channel, queue: str) -> None:
+        if self._owner.get(queue) is channel:
+            del self._owner[queue]
+        self._pending.discard(queue)
+
+    def keep_leases(self) -> None:
+        self._keeper.start()
+
+    def _held(self) -> list[tuple[int, int]]:
+        held: list[tuple[int, int]] = []
+        for channel in list(self.channels):
+            if channel._qos is not None:
+                held.extend(channel._qos.held())
+        return held
+
+    def _wake(self, wake: Wakeups) -> None:
+        self._pending.update(q for q in wake.queues if q in self._owner)
+        if wake.due is not None:
+            self._schedule_due(wake.due)
+
+    def _deliver_pending(self) -> int:
+        """Claim from every queue with news, within each channel's prefetch window."""
+        delivered = 0
+        for queue in list(self._pending):
+            channel = self._owner.get(queue)
+            if channel is None or queue not in self._callbacks:
+                self._pending.discard(queue)
+                continue
+            limit = channel.batch_limit()
+            if not limit:
+                continue  # stays pending until the window opens
+            payloads = channel.fetch(queue, limit)
+            if len(payloads) < limit:
+                self._pending.discard(queue)
+            for payload in payloads:
+                self._deliver(payload, queue)
+            delivered += len(payloads)
+        return delivered
+
+    def _poll(self) -> None:
+        """The safety poll: promote due delayed messages and find ready queues."""
+        ready, next_due = self.store.poll(list(self._owner))
+        self._pending.update(ready)
+        self._next_due = None
+        if next_due is not None:
+            self._schedule_due(next_due)
+        now = time.monotonic()
+        self._next_poll = now + self.options.polling_interval
+        if now >= self._next_sweep:
+            self._next_sweep = now + self.options.sweep_interval
+            self.store.sweep()
+
+    def _schedule_due(self, due: float) -> None:
+        if self._next_due is not None and self._next_due <= due:
+            return
+        self._next_due = due
+        if self._loop is not None:
+            delay = max(due - time.time(), 0.0) + 0.001
+            self._timers.append(self._loop.call_later(delay, self._on_due))
+
+    # -- synchronous consuming -------------------------------------------------------
+
+    def drain_events(self, connection: Any, timeout: float | None = None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        listener = self._ensure_listener() if self._owner else None
+        while True:
+            if time.monotonic() >= self._next_poll and self._owner:
+                self._poll()
+            if self._deliver_pending():
+                return
+            now = time.monotonic()
+            waits = [self._next_poll - now]
+            if deadline is not None:
+                waits.append(deadline - now)
+            if self._next_due is not None:
+                waits.append(self._next_due - time.time())
+            wait = max(min(waits), 0.0)
+            if deadline is not None and now >= deadline:
+                raise socket.timeout()
+            if self._next_due is not None and self._next_due <= time.time():
+                self._next_due = None
+                self._next_poll = 0.0
+                continue
+            if listener is not None:
+                self._wake(listener.wait(wait))
+            else:
+                time.sleep(wait)
+
+    # -- the event loop ----------------------------------------------------------------
+
+    def register_with_event_loop(self, connection: Any, loop: Any) -> None:
+        self._unregister()
+        self._loop = loop
+        listener = self._ensure_listener()
+        if listener is not None:
+            self._loop_fd = listener.fileno()
+            loop.add_reader(self._loop_fd, self._on_readable, self._loop_fd)
+        loop.on_tick.add(self._on_tick)
+        self._timers.append(loop.call_repeatedly(self.options.polling_interval, self._poll))
+        self._next_poll = 0.0
+
+    def _unregister(self) -> None:
+        loop, self._loop = self._loop, None
+        if loop is None:
+            return
+        if self._loop_fd is not None:
+            try:
+                loop.remove_reader(self._loop_fd)
+            except (KeyError, OSError, ValueError):
+                pass
+            self._loop_fd = None
+        loop.on_tick.discard(self._on_tick)
+        for timer in self._timers:
+            try:
+                timer.cancel()
+            except Exception:  # noqa: S110 - a timer the loop already dropped
+                pass
+        self._timers.clear()
+        self._next_due = None
+
+    def unregister_from_event_loop(self, connection: Any, loop: Any) -> None:
+        self._unregister()
+
+    def _on_readable(self, fileno: int) -> None:
+        if self._listener is None:
+            return
+        self._wake(self._listener.drain())
+        self._deliver_pending()
+
+    def _on_tick(self) -> None:
+        if self._next_poll == 0.0 and self._owner:
+            self._poll()
+        if self._pending:
+            self._deliver_pending()
+
+    def _on_due(self) -> None:
+        self._next_due = None
+        self._poll()
+        self._deliver_pending()
+
+    @cached_property
+    def default_connection_params(self) -> dict[str, Any]:
+        return {"port": self.default_port, "hostname": None}
