@@ -83,6 +83,16 @@ class DeadLetter:
     properties: str
 
 
+@dataclass(frozen=True, slots=True)
+class QueueStats:
+    queue: str
+    ready: int
+    delayed: int
+    leased: int
+    dead: int
+    oldest_ready_age: float | None
+
+
 def new_lease() -> int:
     """Return a fencing token for one claim (positive, fits a bigint)."""
     return secrets.randbits(62) + 1
@@ -302,11 +312,18 @@ class Store:
     def bindings(self, exchange: str) -> list[tuple[str, str | None, str]]:
         return [(r[0], r[1], r[2]) for r in self._rows("bindings", {"exchange": exchange})]
 
+    def queue_stats(self) -> list[QueueStats]:
+        return [QueueStats(*row) for row in self._rows("queue_stats", {})]
+
     # -- dead letters --------------------------------------------------------------
 
     def dead_letters(self, queue: str | None = None, limit: int = 100) -> list[DeadLetter]:
         rows = self._rows("dead_letters", {"queue": queue, "limit": limit})
         return [DeadLetter(*row) for row in rows]
+
+    def dead_letter(self, id: int) -> DeadLetter | None:
+        row = self._one("dead_letter", {"id": id})
+        return DeadLetter(*row) if row else None
 
     def requeue_dead(self, ids: Sequence[int]) -> list[str]:
         params = {"ids": list(ids), "channel": self.options.channel}

@@ -479,3 +479,51 @@ WITH purged AS (
     RETURNING id
 )
 SELECT count(*) FROM purged;
+
+-- name: queue_stats :many
+-- Per queue: waiting now, waiting for an ETA, held by a live lease, dead, and the
+-- age of the oldest waiting message. Reads the whole table: for operators and
+-- monitors, not the hot path.
+WITH live AS (
+    SELECT
+        queue,
+        count(*) FILTER (
+            WHERE NOT delayed AND (lease IS NULL OR next_iteration <= now())
+        ) AS ready,
+        count(*) FILTER (WHERE delayed) AS delayed,
+        count(*) FILTER (WHERE lease IS NOT NULL AND next_iteration > now()) AS leased,
+        min(created_at) FILTER (
+            WHERE NOT delayed AND (lease IS NULL OR next_iteration <= now())
+        ) AS oldest_ready
+    FROM {schema}.message
+    GROUP BY queue
+),
+dead AS (
+    SELECT queue, count(*) AS dead
+    FROM {schema}.dead_letter
+    GROUP BY queue
+),
+named AS (
+    SELECT queue FROM live
+    UNION
+    SELECT queue FROM dead
+    UNION
+    SELECT name FROM {schema}.queue
+)
+SELECT
+    named.queue,
+    coalesce(live.ready, 0),
+    coalesce(live.delayed, 0),
+    coalesce(live.leased, 0),
+    coalesce(dead.dead, 0),
+    extract(EPOCH FROM now() - live.oldest_ready)::float8
+FROM named
+LEFT JOIN live ON live.queue = named.queue
+LEFT JOIN dead ON dead.queue = named.queue
+ORDER BY named.queue;
+
+-- name: dead_letter :one
+SELECT id, queue, priority, attempts, reason, created_at, died_at,
+       body, content_type, content_encoding, headers::text, properties::text
+FROM {schema}.dead_letter
+WHERE id = %(id)s;

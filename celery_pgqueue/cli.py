@@ -1,0 +1,196 @@
+"""``celery pgqueue ...``: broker commands added to Celery's CLI (entry point ``celery.commands``).
+
+::
+
+    celery -A proj pgqueue migrate
+    celery -A proj pgqueue queues [--json]
+    celery -A proj pgqueue dead list [--queue Q] [--limit N] [--json]
+    celery -A proj pgqueue dead show ID
+    celery -A proj pgqueue dead requeue ID... | --all [--queue Q]
+    celery -A proj pgqueue dead purge [--queue Q] --yes
+    celery -A proj pgqueue purge QUEUE... --yes
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import click
+from kombu.utils.json import loads
+
+from kombu_pgqueue import migrations
+from kombu_pgqueue._store import DeadLetter, Store
+
+
+@contextmanager
+def _store(ctx: click.Context, *, connect: bool = True) -> Iterator[Store]:
+    app = ctx.obj.app
+    conn = app.connection_for_write()
+    try:
+        if conn.transport.driver_type != "pgqueue":
+            raise click.UsageError(
+                f"the app's broker is {conn.as_uri()!r}, not pgqueue://; "
+                "these commands work on a pgqueue broker only"
+            )
+        store = conn.transport.store
+        if connect:
+            store.open()
+        yield store
+    finally:
+        conn.release()
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """Format rows as a plain aligned text table."""
+    cells = [[str(h) for h in headers]] + [["" if v is None else str(v) for v in r] for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    if seconds < 120:
+        return f"{seconds:.1f}s"
+    if seconds < 7200:
+        return f"{seconds / 60:.1f}m"
+    return f"{seconds / 3600:.1f}h"
+
+
+def _dead_dict(dead: DeadLetter, *, body: bool = False) -> dict[str, Any]:
+    headers = loads(dead.headers)
+    found = {
+        "id": dead.id,
+        "queue": dead.queue,
+        "task": headers.get("task"),
+        "task_id": headers.get("id"),
+        "reason": dead.reason,
+        "attempts": dead.attempts,
+        "priority": dead.priority,
+        "created_at": dead.created_at.isoformat(),
+        "died_at": dead.died_at.isoformat(),
+    }
+    if body:
+        found["headers"] = headers
+        found["properties"] = loads(dead.properties)
+        found["content_type"] = dead.content_type
+        try:
+            found["body"] = bytes(dead.body).decode(dead.content_encoding or "utf-8")
+        except (UnicodeDecodeError, LookupError):
+            found["body"] = bytes(dead.body).hex()
+    return found
+
+
+@click.group(name="pgqueue")
+def pgqueue() -> None:
+    """pgqueue broker: schema, queue sizes and dead letters."""
+
+
+@pgqueue.command()
+@click.pass_context
+def migrate(ctx: click.Context) -> None:
+    """Install or upgrade the broker schema."""
+    with _store(ctx, connect=False) as store:
+        applied = migrations.migrate(store.conninfo, store.schema)
+        done = ", ".join(map(str, applied)) or "nothing (already current)"
+        click.echo(f"schema {store.schema!r}: applied {done}")
+
+
+@pgqueue.command()
+@click.option("--json", "as_json", is_flag=True, help="print JSON for scripts")
+@click.pass_context
+def queues(ctx: click.Context, as_json: bool) -> None:
+    """Per queue: ready, delayed (ETA), leased (in flight), dead, oldest ready age."""
+    with _store(ctx) as store:
+        stats = store.queue_stats()
+    if as_json:
+        click.echo(json.dumps([
+            {"queue": s.queue, "ready": s.ready, "delayed": s.delayed, "leased": s.leased,
+             "dead": s.dead, "oldest_ready_age_seconds": s.oldest_ready_age}
+            for s in stats
+        ], indent=2))
+        return
+    rows = [(s.queue, s.ready, s.delayed, s.leased, s.dead, _age(s.oldest_ready_age)) for s in stats]
+    click.echo(table(("queue", "ready", "delayed", "leased", "dead", "oldest ready"), rows))
+
+
+@pgqueue.command()
+@click.argument("queue_names", nargs=-1, required=True)
+@click.option("--yes", is_flag=True, help="do not ask")
+@click.pass_context
+def purge(ctx: click.Context, queue_names: tuple[str, ...], yes: bool) -> None:
+    """Delete the waiting messages of QUEUE... (leased ones stay with their consumer)."""
+    if not yes:
+        click.confirm(f"Delete every waiting message in {', '.join(queue_names)}?", abort=True)
+    with _store(ctx) as store:
+        for name in queue_names:
+            click.echo(f"{name}: purged {store.purge(name)} messages")
+
+
+@pgqueue.group()
+def dead() -> None:
+    """Dead letters: rejected messages and messages out of attempts."""
+
+
+@dead.command("list")
+@click.option("--queue", default=None, help="only this queue")
+@click.option("--limit", default=50, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="print JSON for scripts")
+@click.pass_context
+def dead_list(ctx: click.Context, queue: str | None, limit: int, as_json: bool) -> None:
+    """List dead letters, oldest first."""
+    with _store(ctx) as store:
+        found = [_dead_dict(d) for d in store.dead_letters(queue, limit)]
+    if as_json:
+        click.echo(json.dumps(found, indent=2))
+        return
+    keys = ("id", "queue", "task", "task_id", "reason", "attempts", "died_at")
+    click.echo(table(keys, [[d[k] for k in keys] for d in found]))
+
+
+@dead.command("show")
+@click.argument("message_id", type=int)
+@click.pass_context
+def dead_show(ctx: click.Context, message_id: int) -> None:
+    """Show one dead letter in full (headers, properties, body)."""
+    with _store(ctx) as store:
+        found = store.dead_letter(message_id)
+    if found is None:
+        raise click.ClickException(f"no dead letter with id {message_id}")
+    click.echo(json.dumps(_dead_dict(found, body=True), indent=2, default=str))
+
+
+@dead.command("requeue")
+@click.argument("message_ids", nargs=-1, type=int)
+@click.option("--all", "everything", is_flag=True, help="every dead letter (of --queue)")
+@click.option("--queue", default=None)
+@click.pass_context
+def dead_requeue(
+    ctx: click.Context, message_ids: tuple[int, ...], everything: bool, queue: str | None
+) -> None:
+    """Put dead letters back in their queues, with their attempts reset."""
+    if not message_ids and not everything:
+        raise click.UsageError("name dead letter ids, or pass --all")
+    with _store(ctx) as store:
+        ids = list(message_ids)
+        if everything:
+            ids = [d.id for d in store.dead_letters(queue, 2**31 - 1)]
+        queues_hit = store.requeue_dead(ids)
+    click.echo(f"requeued {len(ids)} dead letters into {', '.join(queues_hit) or 'no queue'}")
+
+
+@dead.command("purge")
+@click.option("--queue", default=None)
+@click.option("--yes", is_flag=True, help="do not ask")
+@click.pass_context
+def dead_purge(ctx: click.Context, queue: str | None, yes: bool) -> None:
+    """Delete dead letters for good."""
+    if not yes:
+        click.confirm(f"Delete the dead letters of {queue or 'every queue'} for good?", abort=True)
+    with _store(ctx) as store:
+        click.echo(f"deleted {store.purge_dead(queue)} dead letters")
