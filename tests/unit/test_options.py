@@ -1,0 +1,309 @@
+"""parse_options, build_conninfo, notify_channel, check_name: pure functions, no database."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from psycopg.conninfo import conninfo_to_dict
+
+from kombu_pgqueue import ConfigurationError
+from kombu_pgqueue._options import (
+    LIBPQ_KEYWORDS,
+    Options,
+    build_conninfo,
+    check_name,
+    check_schema,
+    mask,
+    notify_channel,
+    parse_options,
+)
+
+
+def test_parse_options_defaults_match_the_documented_ones() -> None:
+    options = parse_options({})
+
+    assert options == Options()
+    assert options.schema == "pgqueue"
+    assert options.visibility_timeout == 60.0
+    assert options.renewal_interval == 20.0
+    assert options.max_attempts == 5
+    assert options.polling_interval == 2.0
+    assert options.listen is True
+    assert options.auto_migrate is True
+    assert options.libpq == {}
+
+
+def test_parse_options_reads_strings_as_numbers_and_flags() -> None:
+    options = parse_options(
+        {
+            "visibility_timeout": "10",
+            "lease_renewal_interval": "2.5",
+            "max_attempts": "0",
+            "listen": "off",
+            "auto_migrate": "yes",
+            "prepare_threshold": None,
+        }
+    )
+
+    assert options.visibility_timeout == 10.0
+    assert options.renewal_interval == 2.5
+    assert options.claim_attempt_limit == 2**31 - 1  # 0 turns the limit off
+    assert options.listen is False
+    assert options.auto_migrate is True
+    assert options.prepare_threshold is None
+
+
+def test_parse_options_ignores_kombu_retry_policy_keys() -> None:
+    options = parse_options({"max_retries": 3, "interval_start": 0, "confirm_publish": True})
+
+    assert options == Options()
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("visibility_timeout", "soon"),
+        ("visibility_timeout", 0.5),
+        ("visibility_timeout", -1),
+        ("polling_interval", 0),
+        ("sweep_interval", "x"),
+        ("pool_timeout", 0.0),
+        ("lease_renewal_interval", 0.01),
+        ("max_attempts", -1),
+        ("max_attempts", "three"),
+        ("pool_max_size", 1),
+        ("prepare_threshold", -1),
+        ("prepare_threshold", "never"),
+        ("listen", "maybe"),
+        ("listen", 2),
+        ("auto_migrate", None),
+        ("schema", ""),
+        ("schema", "s" * 64),
+        ("schema", "é" * 32),  # 64 bytes in UTF-8
+        ("schema", "bad\x00schema"),
+        ("schema", 42),
+    ],
+)
+def test_parse_options_rejects_bad_values(key: str, value: object) -> None:
+    with pytest.raises(ConfigurationError) as caught:
+        parse_options({key: value})
+
+    assert isinstance(caught.value, ValueError)
+    assert key in str(caught.value)
+
+
+def test_parse_options_rejects_renewal_not_shorter_than_the_lease() -> None:
+    with pytest.raises(ConfigurationError, match="lease_renewal_interval"):
+        parse_options({"visibility_timeout": 5, "lease_renewal_interval": 5})
+
+
+def test_parse_options_accepts_a_63_byte_schema() -> None:
+    assert parse_options({"schema": "s" * 63}).schema == "s" * 63
+
+
+def test_parse_options_collects_libpq_keywords() -> None:
+    options = parse_options(
+        {
+            "sslmode": "disable",
+            "application_name": "billing",
+            "keepalives_idle": 30,
+            "libpq": {"target_session_attrs": "read-write", "connect_timeout": 7},
+            "visibility_timeout": 30,
+        }
+    )
+
+    assert dict(options.libpq) == {
+        "sslmode": "disable",
+        "application_name": "billing",
+        "keepalives_idle": "30",
+        "target_session_attrs": "read-write",
+        "connect_timeout": "7",
+    }
+    assert "visibility_timeout" not in options.libpq
+
+
+def test_parse_options_libpq_dict_overrides_top_level_keywords() -> None:
+    options = parse_options({"sslmode": "disable", "libpq": {"sslmode": "require"}})
+
+    assert options.libpq["sslmode"] == "require"
+
+
+def test_parse_options_rejects_unknown_libpq_parameters() -> None:
+    with pytest.raises(ConfigurationError, match="sslmoed"):
+        parse_options({"libpq": {"sslmoed": "require"}})
+
+
+def test_libpq_keywords_come_from_libpq() -> None:
+    assert {"host", "port", "dbname", "user", "sslmode", "application_name"} <= LIBPQ_KEYWORDS
+
+
+def test_build_conninfo_from_kombu_fields() -> None:
+    conninfo = build_conninfo(
+        hostname="db.example",
+        port=5433,
+        userid="celery",
+        password="p@ss word;'",
+        virtual_host="/broker",
+        connect_timeout=None,
+    )
+
+    params = conninfo_to_dict(conninfo)
+    assert params == {
+        "host": "db.example",
+        "port": "5433",
+        "user": "celery",
+        "password": "p@ss word;'",
+        "dbname": "broker",
+        "application_name": f"pgqueue[{os.getpid()}]",
+    }
+
+
+def test_build_conninfo_root_virtual_host_names_no_database() -> None:
+    params = conninfo_to_dict(
+        build_conninfo(hostname="h", port=None, userid=None, password=None, virtual_host="/")
+    )
+
+    assert "dbname" not in params
+    assert "port" not in params
+    assert "user" not in params
+
+
+@pytest.mark.parametrize(("seconds", "expected"), [(0.5, "2"), (1, "2"), (2.1, "3"), (5, "5")])
+def test_build_conninfo_rounds_connect_timeout_up(seconds: float, expected: str) -> None:
+    params = conninfo_to_dict(
+        build_conninfo(
+            hostname="h", port=None, userid=None, password=None, virtual_host=None,
+            connect_timeout=seconds,
+        )
+    )
+
+    assert params["connect_timeout"] == expected
+
+
+def test_build_conninfo_libpq_options_win() -> None:
+    params = conninfo_to_dict(
+        build_conninfo(
+            hostname="h",
+            port=None,
+            userid=None,
+            password=None,
+            virtual_host="/db",
+            connect_timeout=5,
+            libpq={"application_name": "mine", "connect_timeout": "11", "sslmode": "require"},
+        )
+    )
+
+    assert params["application_name"] == "mine"
+    assert params["connect_timeout"] == "11"
+    assert params["sslmode"] == "require"
+
+
+def test_build_conninfo_takes_a_libpq_url_as_hostname() -> None:
+    params = conninfo_to_dict(
+        build_conninfo(
+            hostname="postgresql://app@db1:5439/jobs?sslmode=require&target_session_attrs=any",
+            port=None,
+            userid=None,
+            password=None,
+            virtual_host=None,
+        )
+    )
+
+    assert params["host"] == "db1"
+    assert params["port"] == "5439"
+    assert params["user"] == "app"
+    assert params["dbname"] == "jobs"
+    assert params["sslmode"] == "require"
+    assert params["target_session_attrs"] == "any"
+
+
+def test_build_conninfo_libpq_url_takes_gaps_from_kombu_fields() -> None:
+    # the docstring: "the other fields then only fill gaps" (Celery passes
+    # broker_user / broker_password as userid / password)
+    params = conninfo_to_dict(
+        build_conninfo(
+            hostname="postgresql://db1/jobs",
+            port=None,
+            userid="celery",
+            password="secret",
+            virtual_host=None,
+        )
+    )
+
+    assert params["host"] == "db1"
+    assert params["user"] == "celery"
+    assert params["password"] == "secret"
+
+
+def test_build_conninfo_rejects_an_unparseable_url_without_leaking_the_password() -> None:
+    with pytest.raises(ConfigurationError) as caught:
+        build_conninfo(
+            hostname="postgresql://u:hunter2@h/db?nosuchoption=1",
+            port=None,
+            userid=None,
+            password=None,
+            virtual_host=None,
+        )
+
+    assert isinstance(caught.value, ValueError)
+    assert "hunter2" not in str(caught.value)
+
+
+def test_build_conninfo_rejects_unknown_libpq_keywords() -> None:
+    with pytest.raises(ConfigurationError):
+        build_conninfo(
+            hostname="h", port=None, userid=None, password=None, virtual_host=None,
+            libpq={"nosuchoption": "1"},
+        )
+
+
+def test_mask_hides_the_password() -> None:
+    masked = mask("host=h user=u password=hunter2 dbname=d")
+
+    assert "hunter2" not in masked
+    assert conninfo_to_dict(masked)["password"] == "**"
+    assert mask("not a = valid 'conninfo") == "<unparseable connection string>"
+
+
+def test_notify_channel_is_namespaced_by_schema() -> None:
+    assert notify_channel("pgqueue") == "pgqueue.notify"
+    assert notify_channel("a") != notify_channel("b")
+
+
+@pytest.mark.parametrize("schema", ["s" * 56, "s" * 57, "s" * 63, "é" * 31, "队" * 21, "x"])
+def test_notify_channel_fits_in_63_bytes(schema: str) -> None:
+    channel = notify_channel(schema)
+
+    assert 0 < len(channel.encode()) <= 63
+
+
+def test_notify_channel_long_schemas_stay_distinct() -> None:
+    first, second = notify_channel("s" * 62 + "a"), notify_channel("s" * 62 + "b")
+
+    assert first != second
+    assert notify_channel("s" * 62 + "a") == first  # stable across processes
+
+
+@pytest.mark.parametrize(
+    "name", ["", "plain", "it's", "semi;colon", "with space", "ünï ☃ 队列", "x" * 300]
+)
+def test_check_name_accepts_any_text_without_nul(name: str) -> None:
+    assert check_name("queue", name) == name
+
+
+@pytest.mark.parametrize("name", ["a\x00b", "\x00", None, 7, b"bytes"])
+def test_check_name_rejects_nul_and_non_strings(name: object) -> None:
+    with pytest.raises(ConfigurationError) as caught:
+        check_name("queue", name)
+
+    assert isinstance(caught.value, ValueError)
+    assert "queue" in str(caught.value)
+
+
+def test_check_schema_rejects_empty_and_long_names() -> None:
+    assert check_schema("ok") == "ok"
+    with pytest.raises(ConfigurationError):
+        check_schema("")
+    with pytest.raises(ConfigurationError):
+        check_schema("s" * 64)
