@@ -51,7 +51,10 @@ def configure(
     """
     conf = app.conf
     conf.broker_url = broker_url(dsn)
-    conf.broker_transport_options = {**dict(conf.broker_transport_options or {}), **transport_options}
+    conf.broker_transport_options = {
+        **dict(conf.broker_transport_options or {}),
+        **transport_options,
+    }
     conf.broker_connection_retry_on_startup = True
     if results:
         conf.result_backend = result_backend_url(dsn)

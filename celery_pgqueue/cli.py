@@ -109,13 +109,26 @@ def queues(ctx: click.Context, as_json: bool) -> None:
     with _store(ctx) as store:
         stats = store.queue_stats()
     if as_json:
-        click.echo(json.dumps([
-            {"queue": s.queue, "ready": s.ready, "delayed": s.delayed, "leased": s.leased,
-             "dead": s.dead, "oldest_ready_age_seconds": s.oldest_ready_age}
-            for s in stats
-        ], indent=2))
+        click.echo(
+            json.dumps(
+                [
+                    {
+                        "queue": s.queue,
+                        "ready": s.ready,
+                        "delayed": s.delayed,
+                        "leased": s.leased,
+                        "dead": s.dead,
+                        "oldest_ready_age_seconds": s.oldest_ready_age,
+                    }
+                    for s in stats
+                ],
+                indent=2,
+            )
+        )
         return
-    rows = [(s.queue, s.ready, s.delayed, s.leased, s.dead, _age(s.oldest_ready_age)) for s in stats]
+    rows = [
+        (s.queue, s.ready, s.delayed, s.leased, s.dead, _age(s.oldest_ready_age)) for s in stats
+    ]
     click.echo(table(("queue", "ready", "delayed", "leased", "dead", "oldest ready"), rows))
 
 

@@ -31,13 +31,26 @@ def main() -> int:
         os.environ["PGQUEUE_DSN"] = dsn
     print(f"broker: {embedded.broker_url(dsn)}", flush=True)
 
+    import tasks
     from celery import chord
 
-    import tasks
-
     worker = subprocess.Popen(
-        [sys.executable, "-m", "celery", "-A", "tasks", "worker", "-Q", "celery,io",
-         "-c", "2", "-l", "warning", "-n", f"demo-{os.getpid()}@%h"],
+        [
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "tasks",
+            "worker",
+            "-Q",
+            "celery,io",
+            "-c",
+            "2",
+            "-l",
+            "warning",
+            "-n",
+            f"demo-{os.getpid()}@%h",
+        ],
         cwd=HERE,
         env={**os.environ, "PYTHONPATH": str(HERE)},
     )
@@ -66,7 +79,9 @@ def main() -> int:
         print("\n$ celery -A tasks pgqueue queues", flush=True)
         subprocess.run(
             [sys.executable, "-m", "celery", "-A", "tasks", "pgqueue", "queues"],
-            cwd=HERE, env={**os.environ, "PYTHONPATH": str(HERE)}, check=True,
+            cwd=HERE,
+            env={**os.environ, "PYTHONPATH": str(HERE)},
+            check=True,
         )
         return 0 if all(checks.values()) else 1
     finally:

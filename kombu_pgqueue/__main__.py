@@ -41,9 +41,12 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"schema {args.schema!r}: applied {done}")
             else:
                 have = migrations.current_version(conn, args.schema)
-                print(f"schema {args.schema!r}: version {have}, code needs {migrations.latest_version()}")
+                need = migrations.latest_version()
+                print(f"schema {args.schema!r}: version {have}, code needs {need}")
     except psycopg.OperationalError as exc:
-        print(f"cannot connect to {mask(args.dsn) or 'the default database'}: {exc}", file=sys.stderr)
+        print(
+            f"cannot connect to {mask(args.dsn) or 'the default database'}: {exc}", file=sys.stderr
+        )
         return 2
     except PgQueueError as exc:
         print(str(exc), file=sys.stderr)

@@ -30,9 +30,7 @@ class LeaseKeeper:
         if self._thread is not None and self._thread.is_alive():
             return
         self._stop.clear()
-        self._thread = threading.Thread(
-            target=self._run, name="pgqueue-lease-keeper", daemon=True
-        )
+        self._thread = threading.Thread(target=self._run, name="pgqueue-lease-keeper", daemon=True)
         self._thread.start()
 
     def renew_now(self) -> int:

@@ -7,6 +7,7 @@ rows visible. Payloads are ``r:<queue>`` (messages are ready in that queue) or
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import psycopg
@@ -43,13 +44,15 @@ class Listener:
         self.conninfo = conninfo
         self.options = options
         self.conn: psycopg.Connection | None = None
+        self._pid = os.getpid()
 
     def open(self) -> None:
-        if self.conn is not None and not self.conn.closed:
+        if self.conn is not None and not self.conn.closed and self._pid == os.getpid():
             return
         conn = _pool.connect(self.conninfo, self.options)
         conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.options.channel)))
         self.conn = conn
+        self._pid = os.getpid()
 
     def fileno(self) -> int:
         assert self.conn is not None

@@ -21,9 +21,7 @@ _MAX_IDENTIFIER = 63
 
 
 def _libpq_keywords() -> frozenset[str]:
-    return frozenset(
-        opt.keyword.decode() for opt in pq.Conninfo.get_defaults() if opt.keyword
-    )
+    return frozenset(opt.keyword.decode() for opt in pq.Conninfo.get_defaults() if opt.keyword)
 
 
 LIBPQ_KEYWORDS = _libpq_keywords()
@@ -77,7 +75,16 @@ def _number(name: str, value: Any, *, minimum: float, integer: bool = False) -> 
 def _flag(name: str, value: Any) -> bool:
     if isinstance(value, bool):
         return value
-    if isinstance(value, str) and value.lower() in {"1", "true", "yes", "on", "0", "false", "no", "off"}:
+    if isinstance(value, str) and value.lower() in {
+        "1",
+        "true",
+        "yes",
+        "on",
+        "0",
+        "false",
+        "no",
+        "off",
+    }:
         return value.lower() in {"1", "true", "yes", "on"}
     raise ConfigurationError(f"transport option {name!r} must be true or false, got {value!r}")
 
@@ -92,12 +99,10 @@ def check_name(kind: str, name: Any) -> str:
 
 
 def check_schema(schema: Any) -> str:
-    schema = check_name("schema", schema)
-    if not schema or len(schema.encode()) > _MAX_IDENTIFIER:
-        raise ConfigurationError(
-            f"schema name {schema!r} must be 1 to {_MAX_IDENTIFIER} bytes long"
-        )
-    return schema
+    name = check_name("schema", schema)
+    if not name or len(name.encode()) > _MAX_IDENTIFIER:
+        raise ConfigurationError(f"schema name {name!r} must be 1 to {_MAX_IDENTIFIER} bytes long")
+    return name
 
 
 def notify_channel(schema: str) -> str:
@@ -177,7 +182,9 @@ def build_conninfo(
         try:
             params.update(pg_conninfo.conninfo_to_dict(hostname))
         except Exception as exc:
-            raise ConfigurationError(f"cannot parse database URL {mask(hostname)!r}: {exc}") from None
+            raise ConfigurationError(
+                f"cannot parse database URL {mask(hostname)!r}: {exc}"
+            ) from None
     else:
         if hostname:
             params["host"] = hostname
@@ -195,7 +202,7 @@ def build_conninfo(
     params.update(libpq or {})
     params.setdefault("application_name", f"pgqueue[{os.getpid()}]")
     try:
-        return pg_conninfo.make_conninfo(**params)
+        return pg_conninfo.make_conninfo("", **params)
     except Exception as exc:
         raise ConfigurationError(f"bad connection parameters: {exc}") from None
 
@@ -208,4 +215,4 @@ def mask(dsn: str) -> str:
         return "<unparseable connection string>"
     if "password" in params:
         params["password"] = "**"
-    return pg_conninfo.make_conninfo(**params)
+    return pg_conninfo.make_conninfo("", **params)

@@ -36,9 +36,7 @@ os.register_at_fork(after_in_child=_forget_after_fork)
 
 def connect(conninfo: str, options: Options) -> psycopg.Connection:
     """Open a dedicated autocommit connection (errors are psycopg's, unwrapped)."""
-    return psycopg.connect(
-        conninfo, autocommit=True, prepare_threshold=options.prepare_threshold
-    )
+    return psycopg.connect(conninfo, autocommit=True, prepare_threshold=options.prepare_threshold)
 
 
 def _configure(conn: psycopg.Connection) -> None:

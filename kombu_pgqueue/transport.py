@@ -60,7 +60,6 @@ Transport options
 from __future__ import annotations
 
 import logging
-import socket
 import time
 from datetime import datetime, timedelta, timezone
 from typing import Any
@@ -229,7 +228,10 @@ class Channel(virtual.Channel):
         if passive:
             if self._exchange_type(exchange) is None:
                 raise ChannelError(
-                    f"NOT_FOUND - no exchange {exchange!r}", (50, 10), "Channel.exchange_declare", "404"
+                    f"NOT_FOUND - no exchange {exchange!r}",
+                    (50, 10),
+                    "Channel.exchange_declare",
+                    "404",
                 )
             return
         if type not in self.exchange_types:
@@ -323,7 +325,9 @@ class Channel(virtual.Channel):
             raise ConfigurationError("cannot publish to the default exchange without a queue name")
         self.store.publish(self._outgoing(queue, message))
 
-    def _put_fanout(self, exchange: str, message: dict[str, Any], routing_key: str, **kwargs: Any) -> None:
+    def _put_fanout(
+        self, exchange: str, message: dict[str, Any], routing_key: str, **kwargs: Any
+    ) -> None:
         self.store.publish_routed(exchange, routing_key or "", self._outgoing("", message))
 
     # -- consuming -----------------------------------------------------------------
@@ -569,7 +573,7 @@ class Transport(virtual.Transport):
                 waits.append(self._next_due - time.time())
             wait = max(min(waits), 0.0)
             if deadline is not None and now >= deadline:
-                raise socket.timeout()
+                raise TimeoutError()
             if self._next_due is not None and self._next_due <= time.time():
                 self._next_due = None
                 self._next_poll = 0.0

@@ -41,8 +41,9 @@ def schema(dsn: str) -> Iterator[str]:
     name = f"t_{uuid.uuid4().hex[:12]}"
     yield name
     with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute(psycopg.sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(
-            psycopg.sql.Identifier(name)))
+        conn.execute(
+            psycopg.sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(psycopg.sql.Identifier(name))
+        )
 
 
 @pytest.fixture

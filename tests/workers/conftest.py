@@ -40,6 +40,7 @@ def app(celery_dsn: str, schema: str) -> Iterator[Celery]:
 
 @pytest.fixture
 def worker(app: Celery) -> Iterator[object]:
-    with start_worker(app, pool="threads", concurrency=4, perform_ping_check=True,
-                      shutdown_timeout=30) as w:
+    with start_worker(
+        app, pool="threads", concurrency=4, perform_ping_check=True, shutdown_timeout=30
+    ) as w:
         yield w

@@ -27,8 +27,14 @@ def _tasks(app):
         sink.append((label, self.request.delivery_info.get("priority")))
         return label
 
-    @app.task(name="t.flaky", bind=True, autoretry_for=(KeyError,), retry_backoff=0.05,
-              retry_jitter=False, max_retries=3)
+    @app.task(
+        name="t.flaky",
+        bind=True,
+        autoretry_for=(KeyError,),
+        retry_backoff=0.05,
+        retry_jitter=False,
+        max_retries=3,
+    )
     def flaky(self):
         if self.request.retries < 2:
             raise KeyError("again")
@@ -52,7 +58,8 @@ def test_countdown_waits_in_postgres_not_in_the_worker(app, schema, db):
         result = add.apply_async((20, 22), countdown=3)
         row = db.execute(
             sql.SQL("SELECT delayed FROM {}.message WHERE queue = 'celery'").format(
-                sql.Identifier(schema))
+                sql.Identifier(schema)
+            )
         ).fetchall()
         assert row == [(True,)]
         # the worker holds nothing in memory for it: ETA tasks wait in the table
@@ -155,4 +162,3 @@ def test_configure_sets_broker_and_backend(app, schema):
     assert app.conf.broker_url.startswith("pgqueue")
     assert app.conf.broker_transport_options["schema"] == schema
     assert app.conf.result_backend.startswith("db+postgresql+psycopg://")
-

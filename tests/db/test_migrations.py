@@ -1,0 +1,156 @@
+"""migrate / current_version, auto_migrate, and what a locked-down role is told."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import psycopg
+import pytest
+from kombu import Connection
+from psycopg import sql
+
+from kombu_pgqueue import PrivilegeError, SchemaError, current_version, migrate
+from kombu_pgqueue.__main__ import main
+from kombu_pgqueue.migrations import latest_version
+
+COMMAND = "python -m kombu_pgqueue migrate"
+
+
+def _schema_exists(db: psycopg.Connection, schema: str) -> bool:
+    row = db.execute("SELECT count(*) FROM pg_namespace WHERE nspname = %s", (schema,)).fetchone()
+    return row == (1,)
+
+
+def _connect(url: str, **options: object) -> Connection:
+    conn = Connection(url, transport_options=options)
+    try:
+        conn.connect()
+    except BaseException:
+        conn.release()
+        raise
+    return conn
+
+
+def test_migrate_applies_every_version_once(dsn: str, schema: str, db: psycopg.Connection) -> None:
+    assert current_version(db, schema) == 0
+
+    assert migrate(dsn, schema) == list(range(1, latest_version() + 1))
+    assert migrate(dsn, schema) == []
+    assert current_version(db, schema) == latest_version()
+
+
+def test_migrate_from_many_processes_at_once_applies_once(dsn: str, schema: str) -> None:
+    results: list[list[int]] = []
+    errors: list[BaseException] = []
+    start = threading.Barrier(6)
+
+    def run() -> None:
+        try:
+            start.wait(timeout=10)
+            results.append(migrate(dsn, schema))
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run) for _ in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+
+    assert errors == []
+    assert sorted(results) == [[]] * 5 + [list(range(1, latest_version() + 1))]
+
+
+def test_connect_installs_the_schema_by_default(
+    url_with: Callable[..., str], schema: str, db: psycopg.Connection
+) -> None:
+    conn = _connect(url_with(), schema=schema)
+    try:
+        assert current_version(db, schema) == latest_version()
+    finally:
+        conn.release()
+
+
+def test_auto_migrate_off_on_a_missing_schema_raises_schema_error(
+    url_with: Callable[..., str], schema: str, db: psycopg.Connection
+) -> None:
+    with pytest.raises(SchemaError) as caught:
+        _connect(url_with(), schema=schema, auto_migrate=False)
+
+    message = str(caught.value)
+    assert COMMAND in message
+    assert schema in message
+    assert not _schema_exists(db, schema)
+
+
+def test_auto_migrate_off_after_the_migrate_command_connects(
+    url_with: Callable[..., str], dsn: str, schema: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["--dsn", dsn, "--schema", schema, "migrate"]) == 0
+    assert schema in capsys.readouterr().out
+
+    conn = _connect(url_with(), schema=schema, auto_migrate=False)
+    try:
+        queue = conn.SimpleQueue("after-migrate")
+        queue.put({"ok": True})
+        assert queue.get(timeout=5).payload == {"ok": True}
+        queue.close()
+    finally:
+        conn.release()
+
+
+def test_schema_dropped_under_a_running_transport_raises_schema_error(
+    connection: Connection, db: psycopg.Connection, schema: str
+) -> None:
+    store = connection.default_channel.store
+    db.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(sql.Identifier(schema)))
+
+    with pytest.raises(SchemaError, match=COMMAND):
+        store.size("q")
+
+
+def test_role_without_create_gets_privilege_error_naming_role_and_command(
+    url_with: Callable[..., str], role: str, schema: str, db: psycopg.Connection
+) -> None:
+    # PUBLIC has CONNECT and TEMPORARY on a database, not CREATE
+    row = db.execute(
+        "SELECT has_database_privilege(%s, current_database(), 'CREATE')", (role,)
+    ).fetchone()
+    assert row == (False,)
+
+    with pytest.raises(PrivilegeError) as caught:
+        _connect(url_with(user=role), schema=schema)
+
+    message = str(caught.value)
+    assert role in message
+    assert COMMAND in message
+    assert schema in message
+    assert not _schema_exists(db, schema)
+
+
+def test_role_without_schema_usage_gets_privilege_error(
+    url_with: Callable[..., str], role: str, dsn: str, schema: str
+) -> None:
+    migrate(dsn, schema)  # installed by its owner; the role was never granted anything
+
+    with pytest.raises(PrivilegeError) as caught:
+        _connect(url_with(user=role), schema=schema, auto_migrate=False)
+
+    assert role in str(caught.value) or schema in str(caught.value)
+
+
+def test_role_without_table_privileges_gets_privilege_error_on_publish(
+    url_with: Callable[..., str], role: str, dsn: str, schema: str, db: psycopg.Connection
+) -> None:
+    migrate(dsn, schema)
+    ident, who = sql.Identifier(schema), sql.Identifier(role)
+    db.execute(sql.SQL("GRANT USAGE ON SCHEMA {} TO {}").format(ident, who))
+    db.execute(sql.SQL("GRANT SELECT ON {}.schema_migration TO {}").format(ident, who))
+
+    conn = _connect(url_with(user=role), schema=schema, auto_migrate=False)
+    try:
+        with pytest.raises(PrivilegeError, match=schema):
+            conn.default_channel.store.size("q")
+    finally:
+        conn.release()

@@ -1,0 +1,123 @@
+"""Query-plan regression: the hot statements walk indexes, never the whole message table.
+
+20,000 ready messages over 50 queues plus delayed ones (a few of them due), then
+ANALYZE, then ``EXPLAIN (FORMAT JSON)`` of each statement as the store sends it.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from datetime import datetime, timedelta
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg import sql
+
+from kombu_pgqueue import migrate
+from kombu_pgqueue._options import parse_options
+from kombu_pgqueue._sql import queries
+from kombu_pgqueue._store import Outgoing, Store
+
+READY = 20_000
+QUEUES = 50
+
+
+@pytest.fixture(scope="module")
+def loaded(dsn: str) -> Iterator[tuple[psycopg.Connection, str, datetime]]:
+    schema = f"t_plan_{uuid.uuid4().hex[:8]}"
+    ident = sql.Identifier(schema)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        migrate(conn, schema)
+        try:
+            now = conn.execute("SELECT now()").fetchone()[0]  # type: ignore[index]
+            store = Store(dsn, parse_options({"schema": schema}))
+            messages = [
+                Outgoing(queue=f"q{i % QUEUES}", body=b"x", headers="{}", properties="{}",
+                         priority=i % 4)
+                for i in range(READY)
+            ]
+            messages += [
+                Outgoing(queue=f"q{i % QUEUES}", body=b"x", headers="{}", properties="{}",
+                         eta=now + timedelta(seconds=2 if i < 5 else 3600))
+                for i in range(200)
+            ]
+            assert store.publish_many(messages) == len(messages)
+            conn.execute(sql.SQL("ANALYZE {}.message").format(ident))
+            yield conn, schema, now
+        finally:
+            conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(ident))
+
+
+def _nodes(plan: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    yield plan
+    for child in plan.get("Plans", []):
+        yield from _nodes(child)
+
+
+def _explain(conn: psycopg.Connection, schema: str, name: str, params: dict[str, Any]) -> list[dict[str, Any]]:
+    query = sql.SQL("EXPLAIN (FORMAT JSON) ") + queries(schema)[name]
+    row = conn.execute(query, params).fetchone()
+    assert row is not None
+    return list(_nodes(row[0][0]["Plan"]))
+
+
+def _seq_scans(nodes: list[dict[str, Any]]) -> list[str]:
+    return [n.get("Relation Name", "?") for n in nodes if n["Node Type"] == "Seq Scan"]
+
+
+def _indexes(nodes: list[dict[str, Any]]) -> set[str]:
+    return {n["Index Name"] for n in nodes if "Index Name" in n}
+
+
+def _params(name: str, now: datetime) -> dict[str, Any]:
+    lease = {"lease": 42, "lease_seconds": 60.0}
+    return {
+        "claim": {"queue": "q7", "limit": 10, "max_attempts": 5, "now": None, **lease},
+        "take": {"queue": "q7", "limit": 10, "now": None},
+        "poll": {"queues": ["q1", "q2"], "now": now + timedelta(seconds=10), "channel": "c"},
+        "ack": {"id": 123, "lease": 42},
+        "ack_many": {"ids": [1, 2, 3], "leases": [42, 42, 42]},
+        "renew": {"ids": [1, 2, 3], "leases": [42, 42, 42], "lease_seconds": 60.0, "now": None},
+        "requeue": {"id": 123, "lease": 42, "channel": "c"},
+        "bury": {"id": 123, "lease": 42, "reason": "rejected"},
+    }[name]
+
+
+@pytest.mark.parametrize("name", ["claim", "take"])
+def test_claim_uses_the_ready_index_and_no_seq_scan(
+    loaded: tuple[psycopg.Connection, str, datetime], name: str
+) -> None:
+    conn, schema, now = loaded
+
+    nodes = _explain(conn, schema, name, _params(name, now))
+
+    assert _seq_scans(nodes) == []
+    assert "message_ready_idx" in _indexes(nodes)
+
+
+@pytest.mark.parametrize("name", ["ack", "ack_many", "renew", "requeue", "bury"])
+def test_per_message_statements_find_rows_by_primary_key(
+    loaded: tuple[psycopg.Connection, str, datetime], name: str
+) -> None:
+    conn, schema, now = loaded
+
+    nodes = _explain(conn, schema, name, _params(name, now))
+
+    assert _seq_scans(nodes) == []
+    assert "message_pkey" in _indexes(nodes)
+
+
+def test_poll_with_due_delayed_messages_has_no_seq_scan(
+    loaded: tuple[psycopg.Connection, str, datetime],
+) -> None:
+    # every consumer runs the poll every polling_interval; with any delayed message
+    # due it must not read the whole message table to promote a handful of rows
+    conn, schema, now = loaded
+
+    nodes = _explain(conn, schema, "poll", _params("poll", now))
+
+    assert _seq_scans(nodes) == []
+    assert "message_delayed_idx" in _indexes(nodes)
+
