@@ -1,0 +1,198 @@
+"""The Celery app that the worker-lifecycle tests run in real worker processes.
+
+``celery -A lifecycle_app worker`` builds it from the environment:
+
+* ``PGQUEUE_DSN`` (required): libpq DSN or URL of the test database.
+* ``PGQUEUE_SCHEMA`` (required): the test's broker schema; the ledger lives there too.
+* ``PGQUEUE_LEDGER`` (``ledger``): table in that schema where every task execution
+  is written down (task id, label, worker hostname, pid, start and end time).
+* ``PGQUEUE_VISIBILITY_TIMEOUT``, ``PGQUEUE_LEASE_RENEWAL_INTERVAL``,
+  ``PGQUEUE_MAX_ATTEMPTS``, ``PGQUEUE_POLLING_INTERVAL`` (0.5),
+  ``PGQUEUE_AUTO_MIGRATE``: the transport options of the same name.
+* ``PGQUEUE_PREFETCH`` (1): ``worker_prefetch_multiplier``.
+
+Every task is ``acks_late`` with ``reject_on_worker_lost``: a message leaves the
+broker only once its task has run. The ledger is written by the task itself, in its
+own autocommit transactions, so it shows every start, even of a process killed next.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import psycopg
+from celery import Celery
+from psycopg import sql
+
+import celery_pgqueue
+
+#: how long a task waits for its gate before giving up (it must never outlive a test)
+GATE_LIMIT = 90.0
+
+_OPTIONS = {
+    "PGQUEUE_VISIBILITY_TIMEOUT": ("visibility_timeout", float),
+    "PGQUEUE_LEASE_RENEWAL_INTERVAL": ("lease_renewal_interval", float),
+    "PGQUEUE_MAX_ATTEMPTS": ("max_attempts", int),
+    "PGQUEUE_POLLING_INTERVAL": ("polling_interval", float),
+    "PGQUEUE_AUTO_MIGRATE": ("auto_migrate", str),
+}
+
+
+def create_ledger(conn: psycopg.Connection, schema: str, ledger: str = "ledger") -> None:
+    """Create the ledger and its gate table in ``schema`` (which must exist)."""
+    conn.execute(
+        sql.SQL(
+            """
+            CREATE TABLE {ledger} (
+                run bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+                task_id text NOT NULL,
+                label text NOT NULL,
+                hostname text NOT NULL,
+                pid integer NOT NULL,
+                started_at timestamptz NOT NULL DEFAULT clock_timestamp(),
+                finished_at timestamptz
+            )
+            """
+        ).format(ledger=sql.Identifier(schema, ledger))
+    )
+    conn.execute(
+        sql.SQL("CREATE TABLE {gate} (name text PRIMARY KEY)").format(
+            gate=sql.Identifier(schema, f"{ledger}_gate")
+        )
+    )
+
+
+def open_gate(conn: psycopg.Connection, schema: str, name: str, ledger: str = "ledger") -> None:
+    """Let every task waiting on gate ``name`` finish."""
+    conn.execute(
+        sql.SQL("INSERT INTO {gate} (name) VALUES (%s) ON CONFLICT DO NOTHING").format(
+            gate=sql.Identifier(schema, f"{ledger}_gate")
+        ),
+        (name,),
+    )
+
+
+def worker_env(dsn: str, schema: str, **settings: Any) -> dict[str, str]:
+    """The environment for a process running ``celery -A lifecycle_app ...``.
+
+    ``settings`` are the variables above without their ``PGQUEUE_`` prefix, in
+    lower case (``visibility_timeout=3``).
+    """
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(
+            [os.path.dirname(os.path.abspath(__file__)), os.environ.get("PYTHONPATH", "")]
+        ).rstrip(os.pathsep),
+        "PGQUEUE_DSN": dsn,
+        "PGQUEUE_SCHEMA": schema,
+    }
+    for key, value in settings.items():
+        env[f"PGQUEUE_{key.upper()}"] = str(value)
+    return env
+
+
+def make_app(
+    dsn: str,
+    schema: str,
+    *,
+    ledger: str = "ledger",
+    prefetch: int = 1,
+    **transport_options: Any,
+) -> Celery:
+    app = Celery("lifecycle", set_as_current=False)
+    celery_pgqueue.configure(
+        app,
+        dsn,
+        results=False,
+        schema=schema,
+        **{"polling_interval": 0.5, **transport_options},
+    )
+    app.conf.update(
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        task_ignore_result=True,
+        task_default_queue="celery",
+        worker_prefetch_multiplier=prefetch,
+        worker_hijack_root_logger=True,
+    )
+    table = sql.Identifier(schema, ledger)
+    gate_table = sql.Identifier(schema, f"{ledger}_gate")
+
+    def start(task: Any, label: str) -> int:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            row = conn.execute(
+                sql.SQL(
+                    "INSERT INTO {} (task_id, label, hostname, pid) VALUES (%s, %s, %s, %s) "
+                    "RETURNING run"
+                ).format(table),
+                (task.request.id, label, task.request.hostname or "", os.getpid()),
+            ).fetchone()
+        assert row is not None
+        return int(row[0])
+
+    def finish(run: int) -> None:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute(
+                sql.SQL("UPDATE {} SET finished_at = clock_timestamp() WHERE run = %s").format(
+                    table
+                ),
+                (run,),
+            )
+
+    @app.task(name="lifecycle.work", bind=True)
+    def work(self: Any, label: str, seconds: float = 0.0) -> str:
+        """Run for ``seconds``."""
+        run = start(self, label)
+        threading.Event().wait(seconds)
+        finish(run)
+        return label
+
+    @app.task(name="lifecycle.block", bind=True)
+    def block(self: Any, label: str, gate: str) -> str:
+        """Run until gate ``gate`` is opened (see :func:`open_gate`)."""
+        run = start(self, label)
+        deadline = time.monotonic() + GATE_LIMIT
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            query = sql.SQL("SELECT 1 FROM {} WHERE name = %s").format(gate_table)
+            while conn.execute(query, (gate,)).fetchone() is None:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"gate {gate!r} stayed shut")
+                threading.Event().wait(0.1)
+        finish(run)
+        return label
+
+    @app.task(name="lifecycle.poison", bind=True)
+    def poison(self: Any, label: str) -> None:
+        """Kill the process running it, as a segfault or the OOM killer would."""
+        start(self, label)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    return app
+
+
+def app_from_environment(env: Mapping[str, str] = os.environ) -> Celery:
+    options: dict[str, Any] = {}
+    for variable, (option, kind) in _OPTIONS.items():
+        if env.get(variable):
+            options[option] = kind(env[variable])
+    return make_app(
+        env["PGQUEUE_DSN"],
+        env["PGQUEUE_SCHEMA"],
+        ledger=env.get("PGQUEUE_LEDGER", "ledger"),
+        prefetch=int(env.get("PGQUEUE_PREFETCH", "1")),
+        **options,
+    )
+
+
+def __getattr__(name: str) -> Any:
+    # built on first use, so the tests can import the helpers above without a worker's
+    # environment; `celery -A lifecycle_app` looks up `app` and gets here
+    if name == "app":
+        globals()["app"] = built = app_from_environment()
+        return built
+    raise AttributeError(name)

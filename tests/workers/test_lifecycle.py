@@ -1,0 +1,294 @@
+"""Worker lifecycle with real ``celery worker`` processes: crashes, long tasks, poison
+tasks and warm shutdown.
+
+Each task writes its start and end to a ledger table (see ``lifecycle_app``), so the
+assertions count executions exactly instead of trusting results or logs.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg import sql
+from psycopg.rows import dict_row
+
+import kombu_pgqueue
+from lifecycle_app import create_ledger, make_app, open_gate, worker_env
+
+pytestmark = pytest.mark.celery
+
+HERE = Path(__file__).resolve().parent
+
+
+@dataclass
+class Worker:
+    name: str
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def kill(self) -> None:
+        """SIGKILL the main process and its pool children at once (OOM killer, crash)."""
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=10)
+
+    def terminate(self) -> None:
+        """SIGTERM the main process only: Celery's warm shutdown."""
+        self.proc.send_signal(signal.SIGTERM)
+
+
+def wait_for(
+    condition: Callable[[], Any], timeout: float, what: str, *watched: Worker
+) -> Any:
+    """Poll ``condition`` until it is truthy; fail if a watched worker exits meanwhile."""
+    deadline = time.monotonic() + timeout
+    while True:
+        found = condition()
+        if found:
+            return found
+        for worker in watched:
+            if worker.proc.poll() is not None:
+                pytest.fail(
+                    f"worker {worker.name} exited ({worker.proc.returncode}) while waiting "
+                    f"for {what}; log:\n{worker.log()[-4000:]}"
+                )
+        if time.monotonic() > deadline:
+            logs = "\n".join(f"--- {w.name}:\n{w.log()[-3000:]}" for w in watched)
+            pytest.fail(f"timed out after {timeout}s waiting for {what}\n{logs}")
+        threading.Event().wait(0.1)
+
+
+def wait_ready(*workers: Worker) -> None:
+    for worker in workers:
+        wait_for(lambda w=worker: " ready." in w.log(), 30, f"{worker.name} ready", worker)
+
+
+@pytest.fixture
+def spawn(celery_dsn: str, schema: str, tmp_path: Path) -> Iterator[Callable[..., Worker]]:
+    started: list[Worker] = []
+
+    def spawn(name: str, *, concurrency: int = 1, **settings: Any) -> Worker:
+        log_path = tmp_path / f"worker-{name}.log"
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(
+                [
+                    sys.executable, "-m", "celery", "-A", "lifecycle_app", "worker",
+                    "-n", f"{name}@%h", "-P", "prefork", "-c", str(concurrency),
+                    "-Q", "celery", "-l", "info",
+                    "--without-mingle", "--without-gossip", "--without-heartbeat",
+                ],
+                cwd=HERE,
+                env=worker_env(celery_dsn, schema, **settings),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        worker = Worker(name, proc, log_path)
+        started.append(worker)
+        return worker
+
+    try:
+        yield spawn
+    finally:
+        for worker in started:
+            try:  # the group outlives its leader while orphaned pool children run
+                os.killpg(worker.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            worker.proc.wait(timeout=10)
+
+
+@pytest.fixture
+def publisher(celery_dsn: str, schema: str, db: psycopg.Connection) -> Iterator[Any]:
+    """An app that sends the tasks; the schema and the ledger exist before any worker."""
+    kombu_pgqueue.migrate(celery_dsn, schema)
+    create_ledger(db, schema)
+    app = make_app(celery_dsn, schema)
+    try:
+        yield app
+    finally:
+        app.close()
+
+
+def runs(db: psycopg.Connection, schema: str) -> list[dict[str, Any]]:
+    """Every task execution the ledger saw, in start order."""
+    with db.cursor(row_factory=dict_row) as cur:
+        return cur.execute(
+            sql.SQL("SELECT * FROM {} ORDER BY run").format(sql.Identifier(schema, "ledger"))
+        ).fetchall()
+
+
+def messages(db: psycopg.Connection, schema: str) -> list[dict[str, Any]]:
+    """The broker's message rows, with the task id and whether a live lease holds them."""
+    with db.cursor(row_factory=dict_row) as cur:
+        return cur.execute(
+            sql.SQL(
+                """
+                SELECT id, queue, headers->>'id' AS task_id, attempts, lease, next_iteration,
+                       lease IS NOT NULL AND next_iteration > clock_timestamp() AS leased,
+                       NOT delayed AND lease IS NULL
+                           AND next_iteration <= clock_timestamp() AS ready
+                FROM {}
+                ORDER BY id
+                """
+            ).format(sql.Identifier(schema, "message"))
+        ).fetchall()
+
+
+def dead_letters(db: psycopg.Connection, schema: str) -> list[dict[str, Any]]:
+    with db.cursor(row_factory=dict_row) as cur:
+        return cur.execute(
+            sql.SQL(
+                "SELECT id, queue, headers->>'id' AS task_id, attempts, reason FROM {} ORDER BY id"
+            ).format(sql.Identifier(schema, "dead_letter"))
+        ).fetchall()
+
+
+def by_task(rows: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    found: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        found.setdefault(row["task_id"], []).append(row)
+    return found
+
+
+def on(row: dict[str, Any], worker: Worker) -> bool:
+    return bool(row["hostname"].startswith(f"{worker.name}@"))
+
+
+def test_sigkilled_worker_loses_nothing(spawn, publisher, db, schema):
+    ids = [publisher.send_task("lifecycle.block", (f"job{i}", "open")).id for i in range(6)]
+    settings = {"concurrency": 2, "prefetch": 2, "visibility_timeout": 3}
+    a = spawn("a", **settings)
+    # two tasks running, two more prefetched: four leases held by worker a
+    wait_for(
+        lambda: len(runs(db, schema)) == 2
+        and sum(m["leased"] for m in messages(db, schema)) == 4,
+        30, "worker a to run 2 tasks and hold 4", a,
+    )
+
+    a.kill()
+    rows = messages(db, schema)
+    lease_end = {m["task_id"]: m["next_iteration"] for m in rows if m["lease"] is not None}
+    assert len(rows) == 6, rows
+    # nothing comes back before its lease ends
+    assert [m["task_id"] for m in rows if m["leased"]] == list(lease_end)
+    assert len(lease_end) == 4
+
+    open_gate(db, schema, "open")
+    b = spawn("b", **settings)
+    wait_for(
+        lambda: not messages(db, schema)
+        and sum(r["finished_at"] is not None for r in runs(db, schema)) == 6,
+        30, "worker b to run all 6 tasks", b,
+    )
+
+    executions = by_task(runs(db, schema))
+    assert set(executions) == set(ids)
+    for task_id, task_runs in executions.items():
+        finished = [r for r in task_runs if r["finished_at"] is not None]
+        assert len(finished) == 1 and on(finished[0], b), task_runs
+        on_a = [r for r in task_runs if on(r, a)]
+        assert all(r["finished_at"] is None for r in on_a), task_runs
+        if task_id in lease_end:
+            # worker b had it only once worker a's lease had ended
+            assert [r["started_at"] >= lease_end[task_id] for r in task_runs if on(r, b)] == [
+                True
+            ], (task_runs, lease_end[task_id])
+    assert sum(len(v) for v in executions.values()) == 8  # 2 cut short on a, 6 on b
+    assert dead_letters(db, schema) == []
+    assert "Traceback" not in b.log()
+
+
+def test_task_longer_than_visibility_timeout_runs_once(spawn, publisher, db, schema):
+    settings = {"concurrency": 2, "visibility_timeout": 2, "lease_renewal_interval": 0.5}
+    a = spawn("a", **settings)
+    b = spawn("b", **settings)
+    wait_ready(a, b)  # both consume, each with a free process to take a lapsed lease
+
+    task_id = publisher.send_task("lifecycle.work", ("long", 7)).id
+    seen: list[dict[str, Any]] = []
+
+    def done() -> bool:
+        rows = messages(db, schema)
+        seen.extend(rows)
+        ledger = runs(db, schema)
+        return not rows and len(ledger) >= 1 and ledger[0]["finished_at"] is not None
+
+    wait_for(done, 30, "the 7 s task to finish and be acked", a, b)
+
+    (run,) = runs(db, schema)
+    assert run["task_id"] == task_id
+    assert (run["finished_at"] - run["started_at"]).total_seconds() >= 7
+    # all along one delivery, under one renewed lease
+    assert {(m["attempts"], m["lease"] is not None) for m in seen} <= {(0, False), (1, True)}
+    assert len({m["lease"] for m in seen if m["lease"] is not None}) == 1
+    assert dead_letters(db, schema) == []
+    for worker in (a, b):
+        assert "after its lease ended" not in worker.log()
+        assert "Traceback" not in worker.log()
+
+
+def test_poison_task_is_dead_lettered_after_max_attempts(spawn, publisher, db, schema):
+    # a long visibility timeout: the retries come from the requeue on worker loss,
+    # not from lapsed leases
+    w = spawn("a", concurrency=1, max_attempts=3, visibility_timeout=30)
+    poison_id = publisher.send_task("lifecycle.poison", ("poison",)).id
+    after_id = publisher.send_task("lifecycle.work", ("after",)).id
+
+    wait_for(
+        lambda: dead_letters(db, schema)
+        and any(r["label"] == "after" and r["finished_at"] for r in runs(db, schema)),
+        40, "the poison task dead-lettered and the next task done", w,
+    )
+
+    executions = by_task(runs(db, schema))
+    poisoned = executions[poison_id]
+    assert len(poisoned) == 3, poisoned
+    assert len({r["pid"] for r in poisoned}) == 3  # each attempt killed its pool process
+    assert all(r["finished_at"] is None for r in poisoned)
+    assert [(r["finished_at"] is not None) for r in executions[after_id]] == [True]
+    (dead,) = dead_letters(db, schema)
+    assert (dead["task_id"], dead["queue"], dead["reason"], dead["attempts"]) == (
+        poison_id, "celery", "max_attempts", 3,
+    )
+    assert messages(db, schema) == []
+    assert w.proc.poll() is None  # the worker itself carries on
+
+
+def test_warm_shutdown_releases_prefetched_messages_at_once(spawn, publisher, db, schema):
+    ids = [publisher.send_task("lifecycle.work", (f"job{i}", 1.0)).id for i in range(10)]
+    before = {m["task_id"]: m["attempts"] for m in messages(db, schema)}
+    assert set(before) == set(ids)
+    # a lease this long would keep the messages away for the rest of the test
+    w = spawn("a", concurrency=1, prefetch=4, visibility_timeout=60)
+    wait_for(
+        lambda: runs(db, schema) and sum(m["leased"] for m in messages(db, schema)) == 4,
+        30, "the worker to run one task and hold 4", w,
+    )
+
+    w.terminate()
+    assert w.proc.wait(timeout=30) == 0
+    rows = messages(db, schema)
+
+    executions = by_task(runs(db, schema))
+    # the warm shutdown finished what it had started, and ran nothing twice
+    assert all(len(v) == 1 and v[0]["finished_at"] is not None for v in executions.values())
+    assert {m["task_id"] for m in rows} == set(ids) - set(executions)
+    for m in rows:
+        assert m["ready"], m  # no lease: another worker may take it now
+        assert m["attempts"] == before[m["task_id"]], m
+    assert dead_letters(db, schema) == []
+    assert "after its lease ended" not in w.log()
