@@ -63,11 +63,11 @@ def make_app(broker: str, transport_options: dict[str, Any], queue: str, sink: s
         task_default_routing_key=queue,
     )
 
-    @app.task(name="bench.noop")
+    @app.task(name="bench.noop", shared=False)
     def noop() -> None:
         return None
 
-    @app.task(name="bench.latency")
+    @app.task(name="bench.latency", shared=False)
     def latency(sent: float) -> None:
         started = time.time()
         _write(f"l {sent!r} {started!r}\n")

@@ -319,6 +319,15 @@ class Channel(virtual.Channel):
         else:
             self._put(routing_key, message)
 
+    def publish_many(self, messages: list[dict[str, Any]], routing_key: str) -> int:
+        """Store many prepared messages for queue ``routing_key`` in one round trip."""
+        check_name("queue", routing_key)
+        outgoing = []
+        for message in messages:
+            self._inplace_augment_message(message, "", routing_key)
+            outgoing.append(self._outgoing(routing_key, message))
+        return self.store.publish_many(outgoing)
+
     def _put(self, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
         check_name("queue", queue)
         if not queue:

@@ -1,0 +1,196 @@
+"""``celery pgqueue ...`` run as a user runs it: ``celery -A app pgqueue ...`` in a
+subprocess, found through the ``celery.commands`` entry point. Each command's effect
+is checked in the database."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg import sql
+from psycopg.rows import dict_row
+
+import kombu_pgqueue
+from kombu_pgqueue import migrations
+from lifecycle_app import create_ledger, make_app, worker_env
+
+pytestmark = pytest.mark.celery
+
+HERE = Path(__file__).resolve().parent
+
+Cli = Callable[..., subprocess.CompletedProcess[str]]
+
+
+@pytest.fixture
+def cli(celery_dsn: str, schema: str) -> Cli:
+    def run(*args: str, ok: bool = True, stdin: str = "", **settings: Any) -> Any:
+        done = subprocess.run(
+            [sys.executable, "-m", "celery", "-A", "lifecycle_app", "pgqueue", *args],
+            cwd=HERE,
+            env=worker_env(celery_dsn, schema, **settings),
+            input=stdin,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        if ok:
+            assert done.returncode == 0, (args, done.stdout, done.stderr)
+        return done
+
+    return run
+
+
+@pytest.fixture
+def sent(celery_dsn: str, schema: str, db: psycopg.Connection) -> Iterator[dict[str, list[str]]]:
+    """Task ids by queue: 3 ready and 1 delayed in 'celery', 2 in 'other', and 2 that
+    a consumer rejected, so they are dead letters of 'doomed'."""
+    kombu_pgqueue.migrate(celery_dsn, schema)
+    create_ledger(db, schema)
+    app = make_app(celery_dsn, schema)
+    try:
+        ids = {
+            "celery": [app.send_task("lifecycle.work", (f"c{i}",)).id for i in range(3)],
+            "delayed": [app.send_task("lifecycle.work", ("later",), countdown=3600).id],
+            "other": [
+                app.send_task("lifecycle.work", (f"o{i}",), queue="other").id for i in range(2)
+            ],
+            "doomed": [
+                app.send_task("lifecycle.work", (f"d{i}", i), queue="doomed").id
+                for i in range(2)
+            ],
+        }
+        with app.connection_for_write() as conn:
+            for _ in ids["doomed"]:
+                conn.default_channel.basic_get("doomed").reject()
+        yield ids
+    finally:
+        app.close()
+
+
+def rows(db: psycopg.Connection, schema: str, table: str) -> list[dict[str, Any]]:
+    with db.cursor(row_factory=dict_row) as cur:
+        return cur.execute(
+            sql.SQL(
+                "SELECT id, queue, headers->>'id' AS task_id, attempts, lease FROM {} ORDER BY id"
+            ).format(sql.Identifier(schema, table))
+        ).fetchall()
+
+
+def task_ids(found: list[dict[str, Any]], queue: str | None = None) -> list[str]:
+    return [r["task_id"] for r in found if queue is None or r["queue"] == queue]
+
+
+def test_migrate_installs_then_reports_current(cli, db, schema):
+    latest = migrations.latest_version()
+    done = cli("migrate", auto_migrate="false")
+    applied = ", ".join(str(v) for v in range(1, latest + 1))
+    assert done.stdout.strip() == f"schema {schema!r}: applied {applied}"
+    assert kombu_pgqueue.current_version(db, schema) == latest
+    assert rows(db, schema, "message") == []
+
+    again = cli("migrate", auto_migrate="false")
+    assert again.stdout.strip() == f"schema {schema!r}: applied nothing (already current)"
+
+
+def test_queues_counts_ready_delayed_and_dead_per_queue(cli, sent):
+    stats = json.loads(cli("queues", "--json").stdout)
+    by_queue = {s["queue"]: s for s in stats}
+    assert set(by_queue) == {"celery", "other", "doomed"}
+    counts = {q: (s["ready"], s["delayed"], s["leased"], s["dead"]) for q, s in by_queue.items()}
+    assert counts == {"celery": (3, 1, 0, 0), "other": (2, 0, 0, 0), "doomed": (0, 0, 0, 2)}
+    assert by_queue["celery"]["oldest_ready_age_seconds"] >= 0
+    assert by_queue["doomed"]["oldest_ready_age_seconds"] is None
+
+    lines = cli("queues").stdout.splitlines()
+    assert lines[0].split() == ["queue", "ready", "delayed", "leased", "dead", "oldest", "ready"]
+    assert set(lines[1]) == {"-", " "}
+    table = {line.split()[0]: line.split()[1:5] for line in lines[2:]}
+    assert table == {
+        "celery": ["3", "1", "0", "0"],
+        "doomed": ["0", "0", "0", "2"],
+        "other": ["2", "0", "0", "0"],
+    }
+
+
+def test_dead_list_and_show(cli, sent, db, schema):
+    found = json.loads(cli("dead", "list", "--json").stdout)
+    assert [d["task_id"] for d in found] == sent["doomed"]
+    assert {(d["queue"], d["task"], d["reason"], d["attempts"]) for d in found} == {
+        ("doomed", "lifecycle.work", "rejected", 1)
+    }
+    assert [d["id"] for d in found] == [r["id"] for r in rows(db, schema, "dead_letter")]
+    assert json.loads(cli("dead", "list", "--queue", "other", "--json").stdout) == []
+
+    listed = cli("dead", "list").stdout
+    assert listed.splitlines()[0].split() == [
+        "id", "queue", "task", "task_id", "reason", "attempts", "died_at"
+    ]
+    assert all(task_id in listed for task_id in sent["doomed"])
+
+    shown = json.loads(cli("dead", "show", str(found[1]["id"])).stdout)
+    assert shown["id"] == found[1]["id"]
+    assert shown["headers"]["id"] == sent["doomed"][1]
+    assert shown["headers"]["task"] == "lifecycle.work"
+    assert json.loads(shown["body"])[0] == ["d1", 1]
+
+    missing = cli("dead", "show", "987654321", ok=False)
+    assert missing.returncode != 0
+    assert "no dead letter with id 987654321" in missing.stderr
+
+
+def test_dead_requeue_one_then_all(cli, sent, db, schema):
+    first, second = (r["id"] for r in rows(db, schema, "dead_letter"))
+
+    done = cli("dead", "requeue", str(first))
+    assert done.stdout.strip() == "requeued 1 dead letters into doomed"
+    assert [r["id"] for r in rows(db, schema, "dead_letter")] == [second]
+    back = [r for r in rows(db, schema, "message") if r["queue"] == "doomed"]
+    assert [(r["task_id"], r["attempts"], r["lease"]) for r in back] == [
+        (sent["doomed"][0], 0, None)
+    ]
+
+    done = cli("dead", "requeue", "--all")
+    assert done.stdout.strip() == "requeued 1 dead letters into doomed"
+    assert rows(db, schema, "dead_letter") == []
+    assert task_ids(rows(db, schema, "message"), "doomed") == sent["doomed"]
+
+    refused = cli("dead", "requeue", ok=False)
+    assert refused.returncode != 0
+    assert "name dead letter ids, or pass --all" in refused.stderr
+
+
+def test_dead_purge(cli, sent, db, schema):
+    # without --yes it asks, and a "no" keeps everything
+    asked = cli("dead", "purge", ok=False, stdin="n\n")
+    assert asked.returncode != 0
+    assert len(rows(db, schema, "dead_letter")) == 2
+
+    assert cli("dead", "purge", "--queue", "other", "--yes").stdout.strip() == (
+        "deleted 0 dead letters"
+    )
+    assert len(rows(db, schema, "dead_letter")) == 2
+    assert cli("dead", "purge", "--yes").stdout.strip() == "deleted 2 dead letters"
+    assert rows(db, schema, "dead_letter") == []
+    assert len(rows(db, schema, "message")) == 6  # the live queues are untouched
+
+
+def test_purge_queues(cli, sent, db, schema):
+    done = cli("purge", "other", "--yes")
+    assert done.stdout.strip() == "other: purged 2 messages"
+    left = rows(db, schema, "message")
+    assert task_ids(left, "other") == []
+    assert task_ids(left) == sent["celery"] + sent["delayed"]
+
+    done = cli("purge", "celery", "nothing-here", "--yes")
+    assert done.stdout.splitlines() == [
+        "celery: purged 4 messages",
+        "nothing-here: purged 0 messages",
+    ]
+    assert rows(db, schema, "message") == []
+    assert len(rows(db, schema, "dead_letter")) == 2  # purge leaves dead letters alone
