@@ -185,17 +185,15 @@ def build_conninfo(
             raise ConfigurationError(
                 f"cannot parse database URL {mask(hostname)!r}: {exc}"
             ) from None
-    else:
-        if hostname:
-            params["host"] = hostname
-        if port:
-            params["port"] = port
-        if userid:
-            params["user"] = userid
-        if password:
-            params["password"] = password
-        if virtual_host and virtual_host != "/":
-            params["dbname"] = virtual_host.lstrip("/")
+    elif hostname:
+        params["host"] = hostname
+    # the URL's own values win; Kombu's parsed fields only fill gaps
+    fields: dict[str, Any] = {"port": port, "user": userid, "password": password}
+    if virtual_host and virtual_host != "/":
+        fields["dbname"] = virtual_host.lstrip("/")
+    for key, value in fields.items():
+        if value and key not in params:
+            params[key] = value
     if connect_timeout and "connect_timeout" not in params:
         # libpq takes whole seconds and treats 1 as 2; round up to stay honest
         params["connect_timeout"] = max(2, int(-(-connect_timeout // 1)))

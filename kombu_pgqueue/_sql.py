@@ -36,10 +36,7 @@ def raw_queries() -> dict[str, str]:
 def queries(schema: str) -> dict[str, sql.Composed]:
     """Return every named statement composed for ``schema``."""
     ident = sql.Identifier(schema)
-    return {
-        name: sql.SQL(text).format(schema=ident)
-        for name, text in raw_queries().items()
-    }
+    return {name: sql.SQL(text).format(schema=ident) for name, text in raw_queries().items()}
 
 
 def migration_files() -> list[tuple[int, str, str]]:

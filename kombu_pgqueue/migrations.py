@@ -112,7 +112,17 @@ def check(conn: psycopg.Connection, schema: str = DEFAULT_SCHEMA) -> None:
 
 def ensure(conn: psycopg.Connection, schema: str, *, auto_migrate: bool) -> None:
     """Migrate ``schema`` when allowed, else check it; cheap when already current."""
-    if current_version(conn, schema) >= latest_version():
+    try:
+        have = current_version(conn, schema)
+    except errors.InsufficientPrivilege as exc:
+        role = conn.info.parameter_status("session_authorization") or conn.info.user
+        raise PrivilegeError(
+            f"role {role!r} may not use the pgqueue schema {schema!r} in database "
+            f"{conn.info.dbname!r} ({exc.diag.message_primary}). Its owner can run "
+            f"GRANT USAGE ON SCHEMA {schema} TO {role} and GRANT SELECT, INSERT, UPDATE, "
+            f"DELETE ON ALL TABLES IN SCHEMA {schema} TO {role}"
+        ) from exc
+    if have >= latest_version():
         return
     if auto_migrate:
         migrate(conn, schema)

@@ -243,8 +243,8 @@ WITH released AS (
       AND m.lease = held.lease
     RETURNING m.queue
 )
-SELECT DISTINCT queue, pg_notify(%(channel)s, 'r:' || queue)
-FROM released;
+SELECT released_queue.queue, pg_notify(%(channel)s, 'r:' || released_queue.queue)
+FROM (SELECT DISTINCT queue FROM released) AS released_queue;
 
 -- name: bury :one
 -- Reject without requeue: into the dead letters with the reason.
@@ -285,14 +285,14 @@ WITH due AS MATERIALIZED (
     WHERE delayed
       AND next_iteration <= coalesce(%(now)s::timestamptz, now())
     ORDER BY next_iteration
-    LIMIT 10000
+    LIMIT 1000
     FOR UPDATE SKIP LOCKED
 ),
 promoted AS (
+    -- = ANY(ARRAY(...)) keeps the plan on the primary key whatever the estimate
     UPDATE {schema}.message AS m
     SET delayed = false
-    FROM due
-    WHERE m.id = due.id
+    WHERE m.id = ANY(ARRAY(SELECT id FROM due))
     RETURNING m.queue
 ),
 woken AS MATERIALIZED (
@@ -469,8 +469,8 @@ inserted AS (
     FROM revived
     RETURNING queue
 )
-SELECT DISTINCT queue, pg_notify(%(channel)s, 'r:' || queue)
-FROM inserted;
+SELECT revived_queue.queue, pg_notify(%(channel)s, 'r:' || revived_queue.queue)
+FROM (SELECT DISTINCT queue FROM inserted) AS revived_queue;
 
 -- name: purge_dead :one
 WITH purged AS (

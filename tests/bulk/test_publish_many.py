@@ -8,7 +8,10 @@ from kombu_pgqueue.bulk import publish_many
 
 
 def test_publish_many_delivers_every_message_once(connection, store):
-    assert publish_many(connection, ({"n": i} for i in range(12_345)), "bulk", batch_size=5000) == 12_345
+    assert (
+        publish_many(connection, ({"n": i} for i in range(12_345)), "bulk", batch_size=5000)
+        == 12_345
+    )
     assert store.size("bulk") == 12_345
     seen: list[int] = []
 
