@@ -13,12 +13,12 @@ from typing import Any
 
 import psycopg
 import pytest
+from lifecycle_app import create_ledger, make_app, worker_env
 from psycopg import sql
 from psycopg.rows import dict_row
 
 import kombu_pgqueue
 from kombu_pgqueue import migrations
-from lifecycle_app import create_ledger, make_app, worker_env
 
 pytestmark = pytest.mark.celery
 
@@ -61,8 +61,7 @@ def sent(celery_dsn: str, schema: str, db: psycopg.Connection) -> Iterator[dict[
                 app.send_task("lifecycle.work", (f"o{i}",), queue="other").id for i in range(2)
             ],
             "doomed": [
-                app.send_task("lifecycle.work", (f"d{i}", i), queue="doomed").id
-                for i in range(2)
+                app.send_task("lifecycle.work", (f"d{i}", i), queue="doomed").id for i in range(2)
             ],
         }
         with app.connection_for_write() as conn:
@@ -74,11 +73,13 @@ def sent(celery_dsn: str, schema: str, db: psycopg.Connection) -> Iterator[dict[
 
 
 def rows(db: psycopg.Connection, schema: str, table: str) -> list[dict[str, Any]]:
+    lease = sql.SQL("lease" if table == "message" else "NULL::bigint")
     with db.cursor(row_factory=dict_row) as cur:
         return cur.execute(
             sql.SQL(
-                "SELECT id, queue, headers->>'id' AS task_id, attempts, lease FROM {} ORDER BY id"
-            ).format(sql.Identifier(schema, table))
+                "SELECT id, queue, headers->>'id' AS task_id, attempts, {} AS lease FROM {} "
+                "ORDER BY id"
+            ).format(lease, sql.Identifier(schema, table))
         ).fetchall()
 
 
@@ -129,7 +130,13 @@ def test_dead_list_and_show(cli, sent, db, schema):
 
     listed = cli("dead", "list").stdout
     assert listed.splitlines()[0].split() == [
-        "id", "queue", "task", "task_id", "reason", "attempts", "died_at"
+        "id",
+        "queue",
+        "task",
+        "task_id",
+        "reason",
+        "attempts",
+        "died_at",
     ]
     assert all(task_id in listed for task_id in sent["doomed"])
 

@@ -20,11 +20,11 @@ from typing import Any
 
 import psycopg
 import pytest
+from lifecycle_app import create_ledger, make_app, open_gate, worker_env
 from psycopg import sql
 from psycopg.rows import dict_row
 
 import kombu_pgqueue
-from lifecycle_app import create_ledger, make_app, open_gate, worker_env
 
 pytestmark = pytest.mark.celery
 
@@ -50,9 +50,7 @@ class Worker:
         self.proc.send_signal(signal.SIGTERM)
 
 
-def wait_for(
-    condition: Callable[[], Any], timeout: float, what: str, *watched: Worker
-) -> Any:
+def wait_for(condition: Callable[[], Any], timeout: float, what: str, *watched: Worker) -> Any:
     """Poll ``condition`` until it is truthy; fail if a watched worker exits meanwhile."""
     deadline = time.monotonic() + timeout
     while True:
@@ -85,10 +83,25 @@ def spawn(celery_dsn: str, schema: str, tmp_path: Path) -> Iterator[Callable[...
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(
                 [
-                    sys.executable, "-m", "celery", "-A", "lifecycle_app", "worker",
-                    "-n", f"{name}@%h", "-P", "prefork", "-c", str(concurrency),
-                    "-Q", "celery", "-l", "info",
-                    "--without-mingle", "--without-gossip", "--without-heartbeat",
+                    sys.executable,
+                    "-m",
+                    "celery",
+                    "-A",
+                    "lifecycle_app",
+                    "worker",
+                    "-n",
+                    f"{name}@%h",
+                    "-P",
+                    "prefork",
+                    "-c",
+                    str(concurrency),
+                    "-Q",
+                    "celery",
+                    "-l",
+                    "info",
+                    "--without-mingle",
+                    "--without-gossip",
+                    "--without-heartbeat",
                 ],
                 cwd=HERE,
                 env=worker_env(celery_dsn, schema, **settings),
@@ -174,9 +187,10 @@ def test_sigkilled_worker_loses_nothing(spawn, publisher, db, schema):
     a = spawn("a", **settings)
     # two tasks running, two more prefetched: four leases held by worker a
     wait_for(
-        lambda: len(runs(db, schema)) == 2
-        and sum(m["leased"] for m in messages(db, schema)) == 4,
-        30, "worker a to run 2 tasks and hold 4", a,
+        lambda: len(runs(db, schema)) == 2 and sum(m["leased"] for m in messages(db, schema)) == 4,
+        30,
+        "worker a to run 2 tasks and hold 4",
+        a,
     )
 
     a.kill()
@@ -190,9 +204,13 @@ def test_sigkilled_worker_loses_nothing(spawn, publisher, db, schema):
     open_gate(db, schema, "open")
     b = spawn("b", **settings)
     wait_for(
-        lambda: not messages(db, schema)
-        and sum(r["finished_at"] is not None for r in runs(db, schema)) == 6,
-        30, "worker b to run all 6 tasks", b,
+        lambda: (
+            not messages(db, schema)
+            and sum(r["finished_at"] is not None for r in runs(db, schema)) == 6
+        ),
+        30,
+        "worker b to run all 6 tasks",
+        b,
     )
 
     executions = by_task(runs(db, schema))
@@ -249,9 +267,13 @@ def test_poison_task_is_dead_lettered_after_max_attempts(spawn, publisher, db, s
     after_id = publisher.send_task("lifecycle.work", ("after",)).id
 
     wait_for(
-        lambda: dead_letters(db, schema)
-        and any(r["label"] == "after" and r["finished_at"] for r in runs(db, schema)),
-        40, "the poison task dead-lettered and the next task done", w,
+        lambda: (
+            dead_letters(db, schema)
+            and any(r["label"] == "after" and r["finished_at"] for r in runs(db, schema))
+        ),
+        40,
+        "the poison task dead-lettered and the next task done",
+        w,
     )
 
     executions = by_task(runs(db, schema))
@@ -262,7 +284,10 @@ def test_poison_task_is_dead_lettered_after_max_attempts(spawn, publisher, db, s
     assert [(r["finished_at"] is not None) for r in executions[after_id]] == [True]
     (dead,) = dead_letters(db, schema)
     assert (dead["task_id"], dead["queue"], dead["reason"], dead["attempts"]) == (
-        poison_id, "celery", "max_attempts", 3,
+        poison_id,
+        "celery",
+        "max_attempts",
+        3,
     )
     assert messages(db, schema) == []
     assert w.proc.poll() is None  # the worker itself carries on
@@ -276,7 +301,9 @@ def test_warm_shutdown_releases_prefetched_messages_at_once(spawn, publisher, db
     w = spawn("a", concurrency=1, prefetch=4, visibility_timeout=60)
     wait_for(
         lambda: runs(db, schema) and sum(m["leased"] for m in messages(db, schema)) == 4,
-        30, "the worker to run one task and hold 4", w,
+        30,
+        "the worker to run one task and hold 4",
+        w,
     )
 
     w.terminate()
