@@ -38,6 +38,7 @@ class Options:
     polling_interval: float = 2.0
     sweep_interval: float = 30.0
     listen: bool = True
+    batch_acks: bool = True
     auto_migrate: bool = True
     pool_max_size: int = 8
     pool_timeout: float = 30.0
@@ -149,7 +150,7 @@ def parse_options(transport_options: Mapping[str, Any]) -> Options:
         kwargs["prepare_threshold"] = (
             None if value is None else _number("prepare_threshold", value, minimum=0, integer=True)
         )
-    for name in ("listen", "auto_migrate"):
+    for name in ("listen", "auto_migrate", "batch_acks"):
         if name in topts:
             kwargs[name] = _flag(name, topts[name])
     options = Options(**kwargs)

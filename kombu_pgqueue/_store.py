@@ -146,8 +146,10 @@ class Store:
                 f"the database role may not run {name!r} on schema {self.schema!r}: "
                 f"{exc.diag.message_primary}"
             ) from exc
-        except (errors.ProgramLimitExceeded, errors.DataException) as exc:
-            raise MessageError(f"{name}: {exc.diag.message_primary}") from exc
+        except (errors.ProgramLimitExceeded, psycopg.DataError) as exc:
+            # psycopg raises DataError itself for a NUL in text, before sending
+            detail = exc.diag.message_primary or str(exc)
+            raise MessageError(f"{name} on schema {self.schema!r}: {detail}") from exc
 
     def _rows(self, name: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
         with self._translated(name), self.pool.connection() as conn:

@@ -24,7 +24,10 @@ Connection string
     pgqueue://USER:PASSWORD@HOST:PORT/DBNAME
     pgqueue://USER@%2Fvar%2Frun%2Fpostgresql/DBNAME      (Unix socket directory)
     pgqueue+postgresql://USER@HOST/DBNAME?sslmode=require (any libpq URL after the +)
-    pgqueue://dead-host/db;pgqueue://live-host/db         (failover list)
+    pgqueue://db1:5432/db;pgqueue://db2:5432/db           (failover list)
+
+In a failover list give every URL its port: Kombu's ``Connection.switch()`` keeps
+the previous URL's port when the next URL names none.
 
 Kombu rejects unknown query parameters on ``pgqueue://`` URLs, so libpq options
 (``sslmode``, ``application_name``, ``target_session_attrs``, ...) go in the
@@ -43,6 +46,10 @@ Transport options
 * ``polling_interval`` (float, 2.0): seconds between safety polls, which catch what a
   lost notification missed and keep expiring queues alive. With LISTEN off this is
   the delivery latency.
+* ``batch_acks`` (bool, True): acks are deleted by a background thread, everything
+  acked since its last statement in one statement (as AMQP acks, they are not
+  confirmed; a process killed right after ``ack()`` gets the message redelivered).
+  False deletes each row before ``ack()`` returns.
 * ``sweep_interval`` (float, 30): seconds between removals of expired messages
   and unused ``x-expires`` queues.
 * ``listen`` (bool, True): wait on LISTEN/NOTIFY. Turn off behind PgBouncer in
@@ -71,6 +78,7 @@ from kombu.transport.virtual.base import Empty
 from kombu.utils.json import dumps, loads
 from kombu.utils.objects import cached_property
 
+from ._acks import AckBatcher
 from ._leases import LeaseKeeper
 from ._listener import Listener, Wakeups
 from ._options import build_conninfo, check_name, parse_options
@@ -130,7 +138,10 @@ class QoS(virtual.QoS):
 
     def ack(self, delivery_tag: str) -> None:
         message_id, lease = _parse_tag(delivery_tag)
-        if not self.channel.store.ack(message_id, lease):
+        acks = self.channel.connection.acks
+        if acks is not None:
+            acks.add(message_id, lease)
+        elif not self.channel.store.ack(message_id, lease):
             logger.warning(
                 "pgqueue: ack of message %s came after its lease ended; it may run again",
                 message_id,
@@ -147,13 +158,14 @@ class QoS(virtual.QoS):
 
     def restore_unacked(self) -> list[Any]:
         """Hand back every held message at once; they are redelivered immediately."""
+        self.channel.connection.flush_acks()
         self._flush()
         held = self.held()
         self._delivered.clear()
         if held:
             try:
                 self.channel.store.release([i for i, _ in held], [lease for _, lease in held])
-            except psycopg.Error as exc:
+            except Exception as exc:  # best effort: the leases lapse by themselves
                 logger.warning(
                     "pgqueue: could not release %d messages (%r); they return when "
                     "their leases end",
@@ -207,9 +219,11 @@ class Channel(virtual.Channel):
         self.store.delete_queue(queue)
 
     def _size(self, queue: str) -> int:
+        self.connection.flush_acks()
         return self.store.size(queue)
 
     def _purge(self, queue: str) -> int:
+        self.connection.flush_acks()
         return self.store.purge(queue)
 
     def exchange_declare(
@@ -257,6 +271,7 @@ class Channel(virtual.Channel):
         self.state.exchanges.pop(exchange, None)
 
     def _queue_bind(self, exchange: str, routing_key: str, pattern: Any, queue: str) -> None:
+        check_name("routing key", routing_key or "")
         self.store.bind(exchange, routing_key or "", queue, pattern)
 
     def queue_unbind(
@@ -290,8 +305,9 @@ class Channel(virtual.Channel):
         headers = message.get("headers") or {}
         properties = message.get("properties") or {}
         try:
-            headers_json = dumps(headers)
-            properties_json = dumps(properties)
+            # NaN and Infinity are not JSON; PostgreSQL would refuse them later
+            headers_json = dumps(headers, allow_nan=False)
+            properties_json = dumps(properties, allow_nan=False)
         except (TypeError, ValueError) as exc:
             raise MessageError(
                 f"message for queue {queue!r} has headers or properties that cannot be "
@@ -313,6 +329,7 @@ class Channel(virtual.Channel):
         self, message: dict[str, Any], exchange: str, routing_key: str, **kwargs: Any
     ) -> None:
         self._inplace_augment_message(message, exchange, routing_key)
+        check_name("routing key", routing_key or "")
         if exchange:
             check_name("exchange", exchange)
             self.store.publish_routed(exchange, routing_key or "", self._outgoing("", message))
@@ -370,6 +387,7 @@ class Channel(virtual.Channel):
 
     def fetch(self, queue: str, limit: int) -> list[dict[str, Any]]:
         """Claim up to ``limit`` messages of ``queue`` as Kombu payloads."""
+        self.connection.flush_acks()
         if queue in self._noack_queues:
             return [self._payload(row, queue, 0) for row in self.store.take(queue, limit)]
         lease = new_lease()
@@ -442,6 +460,7 @@ class Transport(virtual.Transport):
         self.store = Store(self._conninfo(), self.options)
         self._listener: Listener | None = None
         self._keeper = LeaseKeeper(self.store, self._held, self.options.renewal_interval)
+        self.acks: AckBatcher | None = AckBatcher(self.store) if self.options.batch_acks else None
         self._owner: dict[str, Channel] = {}
         self._pending: set[str] = set()
         self._next_due: float | None = None
@@ -473,6 +492,8 @@ class Transport(virtual.Transport):
         if conninfo != self.store.conninfo:  # failover switched hosts
             self.store = Store(conninfo, self.options)
             self._keeper.store = self.store
+            if self.acks is not None:
+                self.acks.store = self.store
         self.store.open()
         self.store.check_pool()
         return super().establish_connection()
@@ -481,6 +502,8 @@ class Transport(virtual.Transport):
         try:
             super().close_connection(connection)
         finally:
+            if self.acks is not None:
+                self.acks.stop()
             self._keeper.stop()
             self._unregister()
             if self._listener is not None:
@@ -508,6 +531,11 @@ class Transport(virtual.Transport):
         if self._owner.get(queue) is channel:
             del self._owner[queue]
         self._pending.discard(queue)
+
+    def flush_acks(self) -> None:
+        """Send pending acks now, so what this transport reads next reflects them."""
+        if self.acks is not None:
+            self.acks.flush()
 
     def keep_leases(self) -> None:
         self._keeper.start()

@@ -54,7 +54,9 @@ def db(dsn: str) -> Iterator[psycopg.Connection]:
 
 @pytest.fixture
 def transport_options(schema: str) -> dict[str, object]:
-    return {"schema": schema, "polling_interval": 0.5}
+    # synchronous acks, so a test may read the table from another connection right
+    # after ack(); the default (batched) path has tests of its own and runs under Celery
+    return {"schema": schema, "polling_interval": 0.5, "batch_acks": False}
 
 
 @pytest.fixture

@@ -26,7 +26,6 @@ def later(db: psycopg.Connection) -> Callable[[float], datetime]:
     return later
 
 
-
 @pytest.fixture
 def url_with(dsn: str) -> Callable[..., str]:
     """``url_with(user=..., dbname=...)``: the test database's broker URL with fields changed."""

@@ -34,13 +34,19 @@ def loaded(dsn: str) -> Iterator[tuple[psycopg.Connection, str, datetime]]:
             now = conn.execute("SELECT now()").fetchone()[0]  # type: ignore[index]
             store = Store(dsn, parse_options({"schema": schema}))
             messages = [
-                Outgoing(queue=f"q{i % QUEUES}", body=b"x", headers="{}", properties="{}",
-                         priority=i % 4)
+                Outgoing(
+                    queue=f"q{i % QUEUES}", body=b"x", headers="{}", properties="{}", priority=i % 4
+                )
                 for i in range(READY)
             ]
             messages += [
-                Outgoing(queue=f"q{i % QUEUES}", body=b"x", headers="{}", properties="{}",
-                         eta=now + timedelta(seconds=2 if i < 5 else 3600))
+                Outgoing(
+                    queue=f"q{i % QUEUES}",
+                    body=b"x",
+                    headers="{}",
+                    properties="{}",
+                    eta=now + timedelta(seconds=2 if i < 5 else 3600),
+                )
                 for i in range(200)
             ]
             assert store.publish_many(messages) == len(messages)
@@ -56,7 +62,9 @@ def _nodes(plan: dict[str, Any]) -> Iterator[dict[str, Any]]:
         yield from _nodes(child)
 
 
-def _explain(conn: psycopg.Connection, schema: str, name: str, params: dict[str, Any]) -> list[dict[str, Any]]:
+def _explain(
+    conn: psycopg.Connection, schema: str, name: str, params: dict[str, Any]
+) -> list[dict[str, Any]]:
     query = sql.SQL("EXPLAIN (FORMAT JSON) ") + queries(schema)[name]
     row = conn.execute(query, params).fetchone()
     assert row is not None
@@ -120,4 +128,3 @@ def test_poll_with_due_delayed_messages_has_no_seq_scan(
 
     assert _seq_scans(nodes) == []
     assert "message_delayed_idx" in _indexes(nodes)
-

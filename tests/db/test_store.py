@@ -21,11 +21,6 @@ def outgoing(queue: str, body: bytes | str = b"", **fields: object) -> Outgoing:
     return Outgoing(queue=queue, body=body, headers="{}", properties="{}", **fields)  # type: ignore[arg-type]
 
 
-def rows(db: psycopg.Connection, schema: str, table: str, where: str = "TRUE") -> list[tuple]:
-    query = sql.SQL("SELECT id, queue, attempts, lease FROM {}.{} WHERE " + where + " ORDER BY id")
-    return db.execute(query.format(sql.Identifier(schema), sql.Identifier(table))).fetchall()
-
-
 # -- publish ---------------------------------------------------------------------
 
 
@@ -184,7 +179,10 @@ def test_claim_moves_exhausted_messages_to_dead_letter(
     assert third == []  # buried, and it took the slot of this claim
     [dead] = store.dead_letters("q")
     assert (dead.id, dead.reason, dead.attempts, bytes(dead.body)) == (
-        message_id, "max_attempts", 2, b"poison"
+        message_id,
+        "max_attempts",
+        2,
+        b"poison",
     )
     [fine] = store.claim("q", 1, new_lease(), now=later(122))
     assert bytes(fine.body) == b"fine"
@@ -196,9 +194,7 @@ def test_claim_with_max_attempts_zero_never_dead_letters(
     store = make_connection(max_attempts=0).default_channel.store
     store.publish(outgoing("q", "x"))
 
-    attempts = [
-        store.claim("q", 1, new_lease(), now=later(61 * n))[0].attempts for n in range(8)
-    ]
+    attempts = [store.claim("q", 1, new_lease(), now=later(61 * n))[0].attempts for n in range(8)]
 
     assert attempts == list(range(1, 9))
     assert store.dead_letters() == []
@@ -292,7 +288,11 @@ def test_bury_moves_the_message_to_dead_letter(store: Store) -> None:
 
     [dead] = store.dead_letters()
     assert (dead.id, dead.queue, dead.priority, dead.reason, bytes(dead.body)) == (
-        claimed.id, "q", 4, "rejected", b"bad"
+        claimed.id,
+        "q",
+        4,
+        "rejected",
+        b"bad",
     )
     assert store.size("q", now=None) == 0
     assert store.ack(claimed.id, lease) is False
@@ -371,9 +371,7 @@ def test_purge_leaves_leased_messages_with_their_consumer(store: Store) -> None:
 # -- sweep ---------------------------------------------------------------------
 
 
-def test_sweep_removes_expired_messages_not_under_a_live_lease(
-    store: Store, later: Later
-) -> None:
+def test_sweep_removes_expired_messages_not_under_a_live_lease(store: Store, later: Later) -> None:
     store.publish(outgoing("q", "expires", expires_at=later(10)))
     store.publish(outgoing("q", "leased", expires_at=later(10)))
     store.publish(outgoing("q", "stays"))
@@ -438,9 +436,7 @@ def test_declare_queue_applies_message_ttl_to_new_messages(store: Store, later: 
     assert store.claim("ttl", 1, new_lease(), now=later(31)) == []
 
 
-def test_declare_queue_message_ttl_keeps_the_sooner_expiration(
-    store: Store, later: Later
-) -> None:
+def test_declare_queue_message_ttl_keeps_the_sooner_expiration(store: Store, later: Later) -> None:
     store.declare_queue("ttl", message_ttl=30.0)
     store.publish(outgoing("ttl", "x", expires_at=later(5)))
 

@@ -81,8 +81,14 @@ def _machine(store: Store, db: psycopg.Connection, schema: str) -> type[RuleBase
         def publish(self, queue: str, priority: int, ttl: int | None) -> None:
             expires_at = None if ttl is None else self.now + timedelta(seconds=ttl)
             message_id = store.publish(
-                Outgoing(queue=queue, body=b"m", headers="{}", properties="{}",
-                         priority=priority, expires_at=expires_at)
+                Outgoing(
+                    queue=queue,
+                    body=b"m",
+                    headers="{}",
+                    properties="{}",
+                    priority=priority,
+                    expires_at=expires_at,
+                )
             )
             assert message_id is not None
             self.messages[message_id] = Model(queue, priority, expires_at=expires_at)
@@ -91,7 +97,8 @@ def _machine(store: Store, db: psycopg.Connection, schema: str) -> type[RuleBase
         def claim(self, queue: str, limit: int) -> None:
             candidates = sorted(
                 (
-                    (i, m) for i, m in self.messages.items()
+                    (i, m)
+                    for i, m in self.messages.items()
                     if m.queue == queue
                     and self.visible(m)
                     and (m.expires_at is None or m.expires_at > self.now)
@@ -167,8 +174,10 @@ def _machine(store: Store, db: psycopg.Connection, schema: str) -> type[RuleBase
         @rule()
         def sweep(self) -> None:
             gone = [
-                i for i, m in self.messages.items()
-                if m.expires_at is not None and m.expires_at <= self.now
+                i
+                for i, m in self.messages.items()
+                if m.expires_at is not None
+                and m.expires_at <= self.now
                 and (m.lease is None or self.visible(m))
             ]
 
@@ -183,7 +192,8 @@ def _machine(store: Store, db: psycopg.Connection, schema: str) -> type[RuleBase
         def sizes_agree(self) -> None:
             for queue in QUEUES:
                 waiting = sum(
-                    1 for m in self.messages.values()
+                    1
+                    for m in self.messages.values()
                     if m.queue == queue and (m.lease is None or self.visible(m))
                 )
                 assert store.size(queue, now=self.now) == waiting
@@ -229,7 +239,7 @@ def test_store_state_machine(
     run_state_machine_as_test(
         _machine(store, db, schema),
         settings=settings(
-            max_examples=40,
+            max_examples=30,
             stateful_step_count=40,
             deadline=None,
             suppress_health_check=[HealthCheck.too_slow],

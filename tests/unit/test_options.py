@@ -173,7 +173,11 @@ def test_build_conninfo_root_virtual_host_names_no_database() -> None:
 def test_build_conninfo_rounds_connect_timeout_up(seconds: float, expected: str) -> None:
     params = conninfo_to_dict(
         build_conninfo(
-            hostname="h", port=None, userid=None, password=None, virtual_host=None,
+            hostname="h",
+            port=None,
+            userid=None,
+            password=None,
+            virtual_host=None,
             connect_timeout=seconds,
         )
     )
@@ -253,7 +257,11 @@ def test_build_conninfo_rejects_an_unparseable_url_without_leaking_the_password(
 def test_build_conninfo_rejects_unknown_libpq_keywords() -> None:
     with pytest.raises(ConfigurationError):
         build_conninfo(
-            hostname="h", port=None, userid=None, password=None, virtual_host=None,
+            hostname="h",
+            port=None,
+            userid=None,
+            password=None,
+            virtual_host=None,
             libpq={"nosuchoption": "1"},
         )
 

@@ -1,0 +1,81 @@
+"""Acks in batches: one fenced DELETE for every ack that arrived meanwhile.
+
+An AMQP ack is asynchronous too: ``basic.ack`` is sent and not confirmed. Here a
+background thread deletes whatever was acked since its last statement, so while one
+commit waits on the disk the next batch gathers (a group commit that sizes itself).
+A process that dies right after ``ack()`` leaves the message leased: it is delivered
+again when the lease ends, which at-least-once allows. The same transport flushes
+pending acks before it claims, sizes or purges, so it always reads its own acks.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+from ._store import Store
+
+logger = logging.getLogger(__name__)
+
+
+class AckBatcher:
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self._lock = threading.Lock()
+        self._ids: list[int] = []
+        self._leases: list[int] = []
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._pid = os.getpid()
+
+    def add(self, message_id: int, lease: int) -> None:
+        with self._lock:
+            self._ids.append(message_id)
+            self._leases.append(lease)
+        self._wake.set()
+        if self._thread is None or self._pid != os.getpid():
+            self._start()
+
+    def _start(self) -> None:
+        self._pid = os.getpid()
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="pgqueue-acks", daemon=True)
+        self._thread.start()
+
+    def flush(self) -> int:
+        """Delete every pending ack now; return how many rows were deleted."""
+        with self._lock:
+            if not self._ids:
+                return 0
+            ids, leases = self._ids, self._leases
+            self._ids, self._leases = [], []
+        done = self.store.ack_many(ids, leases)
+        if done < len(ids):
+            logger.warning(
+                "pgqueue: %d of %d acks came after their lease ended; those messages may run again",
+                len(ids) - done,
+                len(ids),
+            )
+        return done
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait()
+            self._wake.clear()
+            try:
+                self.flush()
+            except Exception as exc:  # database away: the leases will lapse and redeliver
+                logger.warning("pgqueue: sending acks failed (%r); they will be redelivered", exc)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        thread, self._thread = self._thread, None
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=5)
+        try:
+            self.flush()
+        except Exception as exc:
+            logger.warning("pgqueue: final acks failed (%r); they will be redelivered", exc)

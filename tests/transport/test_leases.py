@@ -1,0 +1,129 @@
+"""Leases through Kombu: expiry and redelivery, renewal while held, release on close."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from datetime import datetime
+
+import pytest
+from kombu import Connection, Consumer, Producer, Queue
+
+from kombu_pgqueue._store import new_lease
+
+Later = Callable[[float], datetime]
+
+
+def _fill(conn: Connection, queue: str, count: int) -> None:
+    producer = Producer(conn)
+    for n in range(count):
+        producer.publish(n, routing_key=queue, declare=[Queue(queue)])
+
+
+def test_claim_after_the_lease_ends_redelivers_and_fences_the_old_ack(
+    connection: Connection,
+    make_connection: Callable[..., Connection],
+    later: Later,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    _fill(connection, "leased", 1)
+    held = connection.default_channel.basic_get("leased")
+    other = make_connection().default_channel
+
+    assert other.basic_get("leased") is None  # leased for visibility_timeout (60 s)
+    assert other.store.claim("leased", 10, new_lease(), now=later(59)) == []
+    lease = new_lease()
+    [again] = other.store.claim("leased", 10, lease, now=later(61))
+
+    assert again.id == held.delivery_info["pgqueue_id"]
+    assert again.attempts == 2
+    with caplog.at_level(logging.WARNING, logger="kombu_pgqueue"):
+        held.ack()  # too late: the message now belongs to the new lease
+    assert "after its lease ended" in caplog.text
+    assert other.store.size("leased", now=later(62)) == 0
+    assert other.store.ack(again.id, lease) is True
+
+
+def test_renew_keeps_a_held_message_for_several_lease_periods(
+    make_connection: Callable[..., Connection], caplog: pytest.LogCaptureFixture
+) -> None:
+    holder = make_connection(visibility_timeout=1, lease_renewal_interval=0.2)
+    thief = make_connection(visibility_timeout=1, lease_renewal_interval=0.2)
+    _fill(holder, "renewed", 1)
+    message = holder.default_channel.basic_get("renewed")
+    assert message is not None
+
+    tries = 0
+    tick = threading.Event()
+    deadline = time.monotonic() + 3.5
+    while time.monotonic() < deadline:
+        stolen = thief.default_channel.basic_get("renewed")
+        assert stolen is None, (
+            f"taken after {tries} tries, {deadline - time.monotonic():.1f} s left"
+        )
+        tries += 1
+        tick.wait(0.1)
+
+    assert tries >= 20
+    with caplog.at_level(logging.WARNING, logger="kombu_pgqueue"):
+        message.ack()
+    assert "after its lease ended" not in caplog.text
+    assert holder.default_channel.store.size("renewed") == 0
+
+
+def test_release_on_channel_close_hands_messages_back_at_once(
+    connection: Connection, make_connection: Callable[..., Connection]
+) -> None:
+    _fill(connection, "released", 3)
+    channel = connection.channel()
+    held = [channel.basic_get("released") for _ in range(3)]
+    assert all(m is not None for m in held)
+    other = make_connection().default_channel
+    assert other.basic_get("released") is None
+
+    channel.close()
+
+    taken = [other.basic_get("released") for _ in range(3)]
+    assert [m.payload if m else None for m in taken] == [0, 1, 2]
+
+
+def test_release_on_connection_close_hands_consumed_messages_back_at_once(
+    make_connection: Callable[..., Connection],
+) -> None:
+    consumer_conn = make_connection()
+    _fill(consumer_conn, "released-conn", 4)
+    got: list[object] = []
+    Consumer(
+        consumer_conn, [Queue("released-conn")], callbacks=[lambda body, message: got.append(body)]
+    ).consume()
+    consumer_conn.drain_events(timeout=5)
+    assert got == [0, 1, 2, 3]
+    other = make_connection().default_channel
+    assert other.basic_get("released-conn") is None
+
+    consumer_conn.release()
+
+    taken = [other.basic_get("released-conn") for _ in range(4)]
+    assert [m.payload if m else None for m in taken] == [0, 1, 2, 3]
+    # handed back unprocessed: the delivery did not count as an attempt
+    assert [m.delivery_info["pgqueue_attempts"] for m in taken if m] == [1, 1, 1, 1]
+
+
+def test_release_leaves_acked_and_rejected_messages_alone(
+    connection: Connection, make_connection: Callable[..., Connection]
+) -> None:
+    _fill(connection, "mixed", 3)
+    channel = connection.channel()
+    acked, rejected, kept = (channel.basic_get("mixed") for _ in range(3))
+    acked.ack()
+    rejected.reject(requeue=False)
+
+    channel.close()
+
+    other = make_connection().default_channel
+    back = other.basic_get("mixed")
+    assert back is not None and back.payload == kept.payload
+    assert other.basic_get("mixed") is None
+    assert [d.reason for d in other.store.dead_letters("mixed")] == ["rejected"]
