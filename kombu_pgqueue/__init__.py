@@ -18,6 +18,7 @@ from .exceptions import (
     SchemaError,
 )
 from .migrations import current_version, migrate
+from .transactions import transaction
 
 TRANSPORT_ALIASES.setdefault("pgqueue", "kombu_pgqueue.transport:Transport")
 
@@ -32,6 +33,7 @@ __all__ = [
     "Transport",
     "current_version",
     "migrate",
+    "transaction",
 ]
 
 

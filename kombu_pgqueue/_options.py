@@ -39,6 +39,7 @@ class Options:
     sweep_interval: float = 30.0
     listen: bool = True
     batch_acks: bool = True
+    dedup_task_ids: bool = True
     auto_migrate: bool = True
     pool_max_size: int = 8
     pool_timeout: float = 30.0
@@ -150,7 +151,7 @@ def parse_options(transport_options: Mapping[str, Any]) -> Options:
         kwargs["prepare_threshold"] = (
             None if value is None else _number("prepare_threshold", value, minimum=0, integer=True)
         )
-    for name in ("listen", "auto_migrate", "batch_acks"):
+    for name in ("listen", "auto_migrate", "batch_acks", "dedup_task_ids"):
         if name in topts:
             kwargs[name] = _flag(name, topts[name])
     options = Options(**kwargs)
@@ -215,3 +216,12 @@ def mask(dsn: str) -> str:
     if "password" in params:
         params["password"] = "**"
     return pg_conninfo.make_conninfo("", **params)
+
+
+def task_dedup_key(task_id: str, retries: int | None = 0) -> str:
+    """The dedup key a Celery task message gets when it names none of its own.
+
+    Task id and retry count: a publish that is retried carries both unchanged, while
+    ``Task.retry()`` sends the same id with the next count.
+    """
+    return f"celery:{task_id}:{retries or 0}"

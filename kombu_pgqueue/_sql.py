@@ -13,7 +13,7 @@ from importlib import resources
 
 from psycopg import sql
 
-_HEADER = re.compile(r"^-- name: (?P<name>\w+) :(?P<kind>one|many)\s*$", re.MULTILINE)
+_HEADER = re.compile(r"^-- name: (?P<name>\w+) :(?P<kind>one|many|none)\s*$", re.MULTILINE)
 
 
 def _read(name: str) -> str:

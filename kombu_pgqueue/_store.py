@@ -19,7 +19,7 @@ import psycopg
 from psycopg import errors
 from psycopg_pool import ConnectionPool
 
-from . import _pool, _sql
+from . import _pool, _sql, transactions
 from ._options import Options
 from .exceptions import MessageError, PrivilegeError, SchemaError
 
@@ -94,6 +94,10 @@ class QueueStats:
     oldest_ready_age: float | None
 
 
+#: statements that go through an enlisted application transaction, if there is one
+_PUBLISHES = frozenset({"publish", "publish_replace", "publish_many", "publish_routed"})
+
+
 def new_lease() -> int:
     """Return a fencing token for one claim (positive, fits a bigint)."""
     return secrets.randbits(62) + 1
@@ -152,6 +156,11 @@ class Store:
             raise MessageError(f"{name} on schema {self.schema!r}: {detail}") from exc
 
     def _rows(self, name: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
+        if name in _PUBLISHES:
+            enlisted = transactions.current()
+            if enlisted is not None:
+                with self._translated(name):
+                    return enlisted.rows(self.schema, self._q[name], params)
         with self._translated(name), self.pool.connection() as conn:
             cur = conn.execute(self._q[name], params)
             return cur.fetchall() if cur.description else []
@@ -162,20 +171,55 @@ class Store:
 
     # -- publishing --------------------------------------------------------------
 
-    def publish(self, message: Outgoing) -> int | None:
-        """Store one message; return its id, or None when its dedup key was taken."""
-        row = self._one("publish", {**message.params(), "channel": self.options.channel})
+    def publish(self, message: Outgoing, *, replace: bool = False) -> int | None:
+        """Store one message; return its id, or None when its dedup key was taken.
+
+        With ``replace``, a waiting message with the same dedup key is overwritten.
+        """
+        name = "publish_replace" if replace else "publish"
+        row = self._one(name, {**message.params(), "channel": self.options.channel})
         return int(row[0]) if row else None
 
     def publish_many(self, messages: Sequence[Outgoing]) -> int:
-        """Store many messages in one statement; return how many were inserted."""
+        """Store many messages in one transaction; return how many were inserted.
+
+        On the broker's own connections the rows go in by COPY through a staging
+        table; inside an enlisted application transaction, as one INSERT.
+        """
         if not messages:
             return 0
+        if transactions.current() is None:
+            return self._publish_copy(messages)
         columns: dict[str, list[Any]] = {key: [] for key in messages[0].params()}
         for message in messages:
             for key, value in message.params().items():
                 columns[key].append(value)
         rows = self._rows("publish_many", {**columns, "channel": self.options.channel})
+        return int(rows[0][0]) if rows else 0
+
+    def _publish_copy(self, messages: Sequence[Outgoing]) -> int:
+        with self._translated("publish_many"), self.pool.connection() as conn:
+            with conn.transaction():
+                conn.execute(self._q["create_staging"])
+                with conn.cursor().copy(self._q["copy_staging"]) as copy:
+                    for m in messages:
+                        copy.write_row(
+                            (
+                                m.queue,
+                                m.priority,
+                                m.eta,
+                                m.expires_at,
+                                m.dedup_key,
+                                m.body,
+                                m.content_type,
+                                m.content_encoding,
+                                m.headers,
+                                m.properties,
+                            )
+                        )
+                rows = conn.execute(
+                    self._q["publish_staged"], {"channel": self.options.channel}
+                ).fetchall()
         return int(rows[0][0]) if rows else 0
 
     def publish_routed(self, exchange: str, routing_key: str, message: Outgoing) -> list[str]:

@@ -50,6 +50,12 @@ Transport options
   acked since its last statement in one statement (as AMQP acks, they are not
   confirmed; a process killed right after ``ack()`` gets the message redelivered).
   False deletes each row before ``ack()`` returns.
+* ``dedup_task_ids`` (bool, True): a Celery task message whose id and retry count
+  are already waiting or running in its queue is not queued again (so a publish
+  that Celery retries after a timeout cannot run the task twice). Any message may
+  also carry its own key: ``properties["dedup_key"]`` or ``headers["dedup_key"]``
+  (Celery: ``apply_async(..., dedup_key="...")``); with ``dedup_replace=True`` a
+  waiting message with that key is replaced instead.
 * ``sweep_interval`` (float, 30): seconds between removals of expired messages
   and unused ``x-expires`` queues.
 * ``listen`` (bool, True): wait on LISTEN/NOTIFY. Turn off behind PgBouncer in
@@ -81,7 +87,7 @@ from kombu.utils.objects import cached_property
 from ._acks import AckBatcher
 from ._leases import LeaseKeeper
 from ._listener import Listener, Wakeups
-from ._options import build_conninfo, check_name, parse_options
+from ._options import build_conninfo, check_name, parse_options, task_dedup_key
 from ._store import Delivered, Outgoing, Store, new_lease
 from .exceptions import ConfigurationError, MessageError
 
@@ -323,7 +329,18 @@ class Channel(virtual.Channel):
             priority=self._get_message_priority(message),
             eta=_parse_eta(headers.get("eta")),
             expires_at=_ms_from_now(properties.get("expiration")),
+            dedup_key=self._dedup_key(headers, properties),
         )
+
+    def _dedup_key(self, headers: dict[str, Any], properties: dict[str, Any]) -> str | None:
+        key = properties.get("dedup_key") or headers.get("dedup_key")
+        if key is not None:
+            return check_name("dedup key", str(key))
+        if self.connection.options.dedup_task_ids and headers.get("task") and headers.get("id"):
+            # a Celery publish that is retried after its commit reached the server
+            # carries the same id and retry count: it must not queue the task twice
+            return task_dedup_key(headers["id"], headers.get("retries"))
+        return None
 
     def basic_publish(
         self, message: dict[str, Any], exchange: str, routing_key: str, **kwargs: Any
@@ -349,7 +366,17 @@ class Channel(virtual.Channel):
         check_name("queue", queue)
         if not queue:
             raise ConfigurationError("cannot publish to the default exchange without a queue name")
-        self.store.publish(self._outgoing(queue, message))
+        outgoing = self._outgoing(queue, message)
+        replace = bool(
+            message.get("properties", {}).get("dedup_replace")
+            or (message.get("headers") or {}).get("dedup_replace")
+        )
+        if self.store.publish(outgoing, replace=replace) is None:
+            logger.info(
+                "pgqueue: skipped a message for queue %r: dedup key %r is waiting or running",
+                queue,
+                outgoing.dedup_key,
+            )
 
     def _put_fanout(
         self, exchange: str, message: dict[str, Any], routing_key: str, **kwargs: Any

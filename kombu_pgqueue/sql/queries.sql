@@ -42,6 +42,59 @@ SELECT
     )
 FROM inserted;
 
+-- name: publish_replace :one
+-- Like publish, but a waiting message with the same dedup key is replaced by this
+-- one (body, headers, ETA); one that a consumer holds is left alone and this
+-- publish is skipped.
+WITH inserted AS (
+    INSERT INTO {schema}.message AS m (
+        queue, priority, delayed, next_iteration, expires_at, dedup_key,
+        body, content_type, content_encoding, headers, properties
+    )
+    VALUES (
+        %(queue)s,
+        %(priority)s,
+        coalesce(%(eta)s::timestamptz > now(), false),
+        coalesce(%(eta)s::timestamptz, now()),
+        least(
+            %(expires_at)s::timestamptz,
+            now() + (SELECT q.message_ttl FROM {schema}.queue AS q WHERE q.name = %(queue)s)
+        ),
+        %(dedup_key)s,
+        %(body)s,
+        %(content_type)s,
+        %(content_encoding)s,
+        %(headers)s::json,
+        %(properties)s::json
+    )
+    ON CONFLICT (queue, dedup_key) WHERE dedup_key IS NOT NULL DO UPDATE
+    SET priority = excluded.priority,
+        delayed = excluded.delayed,
+        next_iteration = excluded.next_iteration,
+        expires_at = excluded.expires_at,
+        body = excluded.body,
+        content_type = excluded.content_type,
+        content_encoding = excluded.content_encoding,
+        headers = excluded.headers,
+        properties = excluded.properties,
+        -- a new message: a stale holder's ack must not delete it
+        lease = NULL,
+        attempts = 0
+    WHERE m.lease IS NULL
+       OR m.next_iteration <= now()
+    RETURNING id, delayed, next_iteration
+)
+SELECT
+    inserted.id,
+    pg_notify(
+        %(channel)s,
+        CASE WHEN inserted.delayed
+            THEN 'd:' || extract(EPOCH FROM inserted.next_iteration)::text
+            ELSE 'r:' || %(queue)s
+        END
+    )
+FROM inserted;
+
 -- name: publish_many :many
 -- Many messages in one round trip, each column an array of the same length.
 WITH inserted AS (
@@ -527,3 +580,61 @@ SELECT id, queue, priority, attempts, reason, created_at, died_at,
        body, content_type, content_encoding, headers::text, properties::text
 FROM {schema}.dead_letter
 WHERE id = %(id)s;
+
+-- name: create_staging :none
+-- Per-session staging table for COPY; emptied by every commit.
+CREATE TEMPORARY TABLE IF NOT EXISTS pgqueue_staging (
+    queue text,
+    priority smallint,
+    eta timestamptz,
+    expires_at timestamptz,
+    dedup_key text,
+    body bytea,
+    content_type text,
+    content_encoding text,
+    headers text,
+    properties text
+) ON COMMIT DELETE ROWS;
+
+-- name: copy_staging :none
+COPY pgqueue_staging (
+    queue, priority, eta, expires_at, dedup_key,
+    body, content_type, content_encoding, headers, properties
+) FROM STDIN;
+
+-- name: publish_staged :many
+-- What COPY staged, into the queue; COPY itself cannot skip dedup-key conflicts.
+WITH inserted AS (
+    INSERT INTO {schema}.message (
+        queue, priority, delayed, next_iteration, expires_at, dedup_key,
+        body, content_type, content_encoding, headers, properties
+    )
+    SELECT
+        m.queue,
+        m.priority,
+        coalesce(m.eta > now(), false),
+        coalesce(m.eta, now()),
+        least(m.expires_at, now() + q.message_ttl),
+        m.dedup_key,
+        m.body,
+        m.content_type,
+        m.content_encoding,
+        m.headers::json,
+        m.properties::json
+    FROM pgqueue_staging AS m
+    LEFT JOIN {schema}.queue AS q ON q.name = m.queue
+    ON CONFLICT (queue, dedup_key) WHERE dedup_key IS NOT NULL DO NOTHING
+    RETURNING queue, delayed, next_iteration
+),
+wake AS (
+    SELECT DISTINCT
+        CASE WHEN delayed
+            THEN 'd:' || extract(EPOCH FROM min(next_iteration) FILTER (WHERE delayed) OVER ())::text
+            ELSE 'r:' || queue
+        END AS payload
+    FROM inserted
+)
+SELECT
+    (SELECT count(*) FROM inserted) AS inserted,
+    pg_notify(%(channel)s, wake.payload)
+FROM wake;

@@ -1,0 +1,101 @@
+"""Publishing inside the application's own transaction.
+
+.. code-block:: python
+
+    with psycopg.connect(dsn) as conn, conn.transaction():
+        conn.execute("INSERT INTO orders ...")
+        with kombu_pgqueue.transaction(conn):
+            producer.publish({"order": 42}, routing_key="orders")   # or task.delay(42)
+    # committed: the order and the message together; rolled back: neither
+
+While the block is active, every pgqueue publish made in this thread (or asyncio
+task) is written through ``conn`` instead of the broker's pool: the message becomes
+visible to consumers when that transaction commits, its NOTIFY is sent at commit,
+and a rollback (or a crash before commit) leaves no message. Savepoints behave as
+they do for any other row.
+
+``conn`` may be a psycopg 3 connection, or a SQLAlchemy ``Session`` or
+``Connection`` (any PostgreSQL driver with ``%(name)s`` parameters: psycopg 3 or
+psycopg2). The broker's schema must live in the same database: the first publish
+checks for it and raises :class:`~kombu_pgqueue.ConfigurationError` if it is not
+there, since a transaction cannot span two databases.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from .exceptions import ConfigurationError
+
+Rows = list[tuple[Any, ...]]
+
+
+class Enlisted:
+    """Runs statements on the application's connection, in its transaction."""
+
+    def __init__(self, run: Callable[[sql.Composable, dict[str, Any]], Rows]) -> None:
+        self._run = run
+        self._checked: set[str] = set()
+
+    def rows(self, schema: str, query: sql.Composable, params: dict[str, Any]) -> Rows:
+        if schema not in self._checked:
+            found = self._run(
+                sql.SQL("SELECT to_regclass(%(table)s) IS NOT NULL"),
+                {"table": sql.Identifier(schema, "message").as_string(None)},
+            )
+            if not (found and found[0][0]):
+                raise ConfigurationError(
+                    f"the pgqueue schema {schema!r} is not in the database of the connection "
+                    "passed to transaction(): the broker is another database, and a "
+                    "transaction cannot span two. Publish after commit instead."
+                )
+            self._checked.add(schema)
+        return self._run(query, params)
+
+
+_current: ContextVar[Enlisted | None] = ContextVar("pgqueue_enlisted", default=None)
+
+
+def current() -> Enlisted | None:
+    """The enlisted transaction of this context, if any."""
+    return _current.get()
+
+
+def _runner(conn: Any) -> Callable[[sql.Composable, dict[str, Any]], Rows]:
+    if isinstance(conn, psycopg.Connection):
+
+        def run_psycopg(query: sql.Composable, params: dict[str, Any]) -> Rows:
+            cur = conn.execute(query, params)
+            return cur.fetchall() if cur.description else []
+
+        return run_psycopg
+    # SQLAlchemy: a Session hands out its Connection; a Connection runs driver SQL
+    sa_connection = conn.connection() if hasattr(conn, "get_bind") else conn
+    if not hasattr(sa_connection, "exec_driver_sql"):
+        raise ConfigurationError(
+            f"transaction() takes a psycopg 3 connection or a SQLAlchemy Session or "
+            f"Connection, not {type(conn).__name__}"
+        )
+
+    def run_sqlalchemy(query: sql.Composable, params: dict[str, Any]) -> Rows:
+        result = sa_connection.exec_driver_sql(query.as_string(None), params)
+        return [tuple(row) for row in result.fetchall()] if result.returns_rows else []
+
+    return run_sqlalchemy
+
+
+@contextmanager
+def transaction(conn: Any) -> Iterator[Enlisted]:
+    """Write pgqueue publishes made inside the block through ``conn``'s transaction."""
+    enlisted = Enlisted(_runner(conn))
+    token = _current.set(enlisted)
+    try:
+        yield enlisted
+    finally:
+        _current.reset(token)
