@@ -39,11 +39,11 @@ Rows = list[tuple[Any, ...]]
 class Enlisted:
     """Runs statements on the application's connection, in its transaction."""
 
-    def __init__(self, run: Callable[[sql.Composable, dict[str, Any]], Rows]) -> None:
+    def __init__(self, run: Callable[[sql.Composed | sql.SQL, dict[str, Any]], Rows]) -> None:
         self._run = run
         self._checked: set[str] = set()
 
-    def rows(self, schema: str, query: sql.Composable, params: dict[str, Any]) -> Rows:
+    def rows(self, schema: str, query: sql.Composed | sql.SQL, params: dict[str, Any]) -> Rows:
         if schema not in self._checked:
             found = self._run(
                 sql.SQL("SELECT to_regclass(%(table)s) IS NOT NULL"),
@@ -67,10 +67,10 @@ def current() -> Enlisted | None:
     return _current.get()
 
 
-def _runner(conn: Any) -> Callable[[sql.Composable, dict[str, Any]], Rows]:
+def _runner(conn: Any) -> Callable[[sql.Composed | sql.SQL, dict[str, Any]], Rows]:
     if isinstance(conn, psycopg.Connection):
 
-        def run_psycopg(query: sql.Composable, params: dict[str, Any]) -> Rows:
+        def run_psycopg(query: sql.Composed | sql.SQL, params: dict[str, Any]) -> Rows:
             cur = conn.execute(query, params)
             return cur.fetchall() if cur.description else []
 
@@ -83,7 +83,7 @@ def _runner(conn: Any) -> Callable[[sql.Composable, dict[str, Any]], Rows]:
             f"Connection, not {type(conn).__name__}"
         )
 
-    def run_sqlalchemy(query: sql.Composable, params: dict[str, Any]) -> Rows:
+    def run_sqlalchemy(query: sql.Composed | sql.SQL, params: dict[str, Any]) -> Rows:
         result = sa_connection.exec_driver_sql(query.as_string(None), params)
         return [tuple(row) for row in result.fetchall()] if result.returns_rows else []
 
