@@ -125,6 +125,14 @@ def parse_options(transport_options: Mapping[str, Any]) -> Options:
     topts = dict(transport_options)
     libpq = {k: str(v) for k, v in topts.items() if k in LIBPQ_KEYWORDS and v is not None}
     libpq.update({k: str(v) for k, v in (topts.get("libpq") or {}).items()})
+    commit = topts.get("synchronous_commit")
+    if commit is not None:
+        if str(commit) not in {"on", "off", "local", "remote_write", "remote_apply"}:
+            raise ConfigurationError(
+                "transport option 'synchronous_commit' must be one of on, off, local, "
+                f"remote_write, remote_apply; got {commit!r}"
+            )
+        libpq["options"] = (libpq.get("options", "") + f" -c synchronous_commit={commit}").strip()
     unknown = set(libpq) - LIBPQ_KEYWORDS
     if unknown:
         raise ConfigurationError(f"unknown libpq connection parameters: {sorted(unknown)}")

@@ -315,3 +315,20 @@ def test_check_schema_rejects_empty_and_long_names() -> None:
         check_schema("")
     with pytest.raises(ConfigurationError):
         check_schema("s" * 64)
+
+
+def test_synchronous_commit_becomes_a_session_option() -> None:
+    from kombu_pgqueue._options import parse_options as parse
+
+    options = parse({"synchronous_commit": "off", "options": "-c work_mem=8MB"})
+    assert options.libpq["options"] == "-c work_mem=8MB -c synchronous_commit=off"
+
+
+def test_synchronous_commit_rejects_unknown_values() -> None:
+    import pytest
+
+    from kombu_pgqueue import ConfigurationError
+    from kombu_pgqueue._options import parse_options as parse
+
+    with pytest.raises(ConfigurationError, match="synchronous_commit"):
+        parse({"synchronous_commit": "sometimes"})
