@@ -26,7 +26,12 @@ from celery import Celery
 
 from kombu_pgqueue._store import Outgoing, Store
 
-from .messages import TaskMessageFactory
+from .messages import TaskMessageFactory, task_message
+
+#: signature options the template factory writes itself; any other goes the exact way
+_FAST_OPTIONS = frozenset(
+    {"task_id", "queue", "priority", "eta", "countdown", "expires", "dedup_key"}
+)
 
 
 @dataclass(slots=True)
@@ -64,6 +69,8 @@ class BulkSender:
 
     def message(self, sig: Any) -> Outgoing:
         options = sig.options
+        if set(options) - _FAST_OPTIONS:
+            return self._exact(sig)
         eta = _when(options.get("eta"))
         if options.get("countdown") is not None:
             eta = datetime.now(timezone.utc) + timedelta(seconds=float(options["countdown"]))
@@ -79,6 +86,13 @@ class BulkSender:
             expires=expires,
             dedup_key=options.get("dedup_key"),
         )
+
+    def _exact(self, sig: Any) -> Outgoing:
+        # links, chains, time limits...: through apply_async's own message builder
+        built = task_message(self.app, sig.task, tuple(sig.args), dict(sig.kwargs), **sig.options)
+        channel = self._conn.default_channel
+        channel._inplace_augment_message(built.message, "", built.queue)
+        return channel._outgoing(built.queue, built.message)
 
     def close(self) -> None:
         self._conn.release()

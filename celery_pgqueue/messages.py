@@ -15,11 +15,25 @@ from uuid import uuid4
 
 from celery import Celery
 from celery.utils import uuid
+from celery.utils.functional import maybe_list
 from kombu.serialization import dumps
 from kombu.utils import json as kombu_json
 
 from kombu_pgqueue._options import task_dedup_key
 from kombu_pgqueue._store import Outgoing
+
+_PASSED = (
+    "chain",
+    "chord",
+    "group_id",
+    "group_index",
+    "parent_id",
+    "shadow",
+    "time_limit",
+    "soft_time_limit",
+    "ignore_result",
+    "stamped_headers",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,16 +57,17 @@ def task_message(
     expires: float | datetime | None = None,
     dedup_key: str | None = None,
     headers: dict[str, Any] | None = None,
+    **options: Any,
 ) -> TaskMessage:
     """Build the Kombu message ``app.send_task(name, args, kwargs, ...)`` would publish."""
     task_id = task_id or uuid()
     kwargs = kwargs or {}
-    options: dict[str, Any] = {}
+    route_options: dict[str, Any] = {}
     if queue:
-        options["queue"] = queue
+        route_options["queue"] = queue
     if priority is not None:
-        options["priority"] = priority
-    routed = app.amqp.router.route(options, name, args, kwargs, task_type=app.tasks.get(name))
+        route_options["priority"] = priority
+    routed = app.amqp.router.route(route_options, name, args, kwargs, task_type=app.tasks.get(name))
     target = routed.get("queue")
     queue_name = target if isinstance(target, str) else target.name
     if priority is None:
@@ -63,6 +78,12 @@ def task_message(
     elif expires is not None:
         expires_s = float(expires)
         expires = app.now() + timedelta(seconds=expires_s)
+    # the rest of apply_async's options, under as_task_v2's names
+    extra = {k: options[k] for k in _PASSED if options.get(k) is not None}
+    if options.get("link"):
+        extra["callbacks"] = maybe_list(options["link"])
+    if options.get("link_error"):
+        extra["errbacks"] = maybe_list(options["link_error"])
     task_headers, properties, body, _ = app.amqp.as_task_v2(
         task_id,
         name,
@@ -71,8 +92,10 @@ def task_message(
         countdown=countdown,
         eta=eta,
         expires=expires,
-        root_id=task_id,
+        root_id=options.get("root_id") or task_id,
+        reply_to=options.get("reply_to") or app.thread_oid,
         origin="pgqueue-bulk",
+        **extra,
     )
     if headers:
         task_headers.update(headers)

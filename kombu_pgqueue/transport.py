@@ -51,8 +51,9 @@ Transport options
   confirmed; a process killed right after ``ack()`` gets the message redelivered).
   False deletes each row before ``ack()`` returns.
 * ``dedup_task_ids`` (bool, True): a Celery task message whose id and retry count
-  are already waiting or running in its queue is not queued again (so a publish
-  that Celery retries after a timeout cannot run the task twice). Any message may
+  are already in its queue (waiting, or running with ``acks_late``; with early acks
+  the row is gone once the task starts) is not queued again, so a publish that
+  Celery retries after a timeout cannot queue the task twice. Any message may
   also carry its own key: ``properties["dedup_key"]`` or ``headers["dedup_key"]``
   (Celery: ``apply_async(..., dedup_key="...")``); with ``dedup_replace=True`` a
   waiting message with that key is replaced instead.

@@ -125,11 +125,13 @@ WITH inserted AS (
         %(content_encoding)s::text[],
         %(headers)s::text[],
         %(properties)s::text[]
-    ) AS m (
+    ) WITH ORDINALITY AS m (
         queue, priority, eta, expires_at, dedup_key,
-        body, content_type, content_encoding, headers, properties
+        body, content_type, content_encoding, headers, properties, ord
     )
     LEFT JOIN {schema}.queue AS q ON q.name = m.queue
+    -- ids follow the caller's order, and so does delivery
+    ORDER BY m.ord
     ON CONFLICT (queue, dedup_key) WHERE dedup_key IS NOT NULL DO NOTHING
     RETURNING queue, delayed, next_iteration
 ),
@@ -161,7 +163,7 @@ WITH target AS (
 ),
 inserted AS (
     INSERT INTO {schema}.message (
-        queue, priority, delayed, next_iteration, expires_at,
+        queue, priority, delayed, next_iteration, expires_at, dedup_key,
         body, content_type, content_encoding, headers, properties
     )
     SELECT
@@ -170,6 +172,7 @@ inserted AS (
         coalesce(%(eta)s::timestamptz > now(), false),
         coalesce(%(eta)s::timestamptz, now()),
         least(%(expires_at)s::timestamptz, now() + q.message_ttl),
+        %(dedup_key)s,
         %(body)s,
         %(content_type)s,
         %(content_encoding)s,
@@ -177,6 +180,7 @@ inserted AS (
         %(properties)s::json
     FROM target
     LEFT JOIN {schema}.queue AS q ON q.name = target.queue
+    ON CONFLICT (queue, dedup_key) WHERE dedup_key IS NOT NULL DO NOTHING
     RETURNING queue, delayed, next_iteration
 )
 SELECT
@@ -210,15 +214,15 @@ exhausted AS (
     USING candidate AS c
     WHERE m.id = c.id
       AND c.attempts >= %(max_attempts)s
-    RETURNING m.id, m.queue, m.priority, m.attempts, m.created_at, m.body,
+    RETURNING m.id, m.queue, m.priority, m.attempts, m.created_at, m.dedup_key, m.body,
               m.content_type, m.content_encoding, m.headers, m.properties
 ),
 buried AS (
     INSERT INTO {schema}.dead_letter (
-        id, queue, priority, attempts, reason, created_at,
+        id, queue, priority, attempts, reason, created_at, dedup_key,
         body, content_type, content_encoding, headers, properties
     )
-    SELECT id, queue, priority, attempts, 'max_attempts', created_at,
+    SELECT id, queue, priority, attempts, 'max_attempts', created_at, dedup_key,
            body, content_type, content_encoding, headers, properties
     FROM exhausted
     RETURNING id
@@ -305,14 +309,14 @@ WITH gone AS (
     DELETE FROM {schema}.message
     WHERE id = %(id)s
       AND lease = %(lease)s
-    RETURNING id, queue, priority, attempts, created_at, body,
+    RETURNING id, queue, priority, attempts, created_at, dedup_key, body,
               content_type, content_encoding, headers, properties
 )
 INSERT INTO {schema}.dead_letter (
-    id, queue, priority, attempts, reason, created_at,
+    id, queue, priority, attempts, reason, created_at, dedup_key,
     body, content_type, content_encoding, headers, properties
 )
-SELECT id, queue, priority, attempts, %(reason)s, created_at,
+SELECT id, queue, priority, attempts, %(reason)s, created_at, dedup_key,
        body, content_type, content_encoding, headers, properties
 FROM gone
 RETURNING id;
@@ -508,18 +512,27 @@ ORDER BY died_at, id
 LIMIT %(limit)s;
 
 -- name: requeue_dead :many
--- Dead letters back into their queue as new deliveries (attempts start again).
+-- Dead letters back into their queue as new deliveries (attempts start again). One
+-- whose dedup key a live message holds meanwhile stays dead, rather than run twice.
 WITH revived AS (
-    DELETE FROM {schema}.dead_letter
-    WHERE id = ANY(%(ids)s::bigint[])
-    RETURNING queue, priority, body, content_type, content_encoding, headers, properties
+    DELETE FROM {schema}.dead_letter AS d
+    WHERE d.id = ANY(%(ids)s::bigint[])
+      AND NOT EXISTS (
+          SELECT 1
+          FROM {schema}.message AS m
+          WHERE m.queue = d.queue
+            AND m.dedup_key = d.dedup_key
+      )
+    RETURNING d.id, d.queue, d.priority, d.dedup_key, d.body, d.content_type,
+              d.content_encoding, d.headers, d.properties
 ),
 inserted AS (
     INSERT INTO {schema}.message (
-        queue, priority, body, content_type, content_encoding, headers, properties
+        queue, priority, dedup_key, body, content_type, content_encoding, headers, properties
     )
-    SELECT queue, priority, body, content_type, content_encoding, headers, properties
+    SELECT queue, priority, dedup_key, body, content_type, content_encoding, headers, properties
     FROM revived
+    ORDER BY id
     RETURNING queue
 )
 SELECT revived_queue.queue, pg_notify(%(channel)s, 'r:' || revived_queue.queue)
@@ -584,6 +597,7 @@ WHERE id = %(id)s;
 -- name: create_staging :none
 -- Per-session staging table for COPY; emptied by every commit.
 CREATE TEMPORARY TABLE IF NOT EXISTS pgqueue_staging (
+    ord bigint GENERATED ALWAYS AS IDENTITY,
     queue text,
     priority smallint,
     eta timestamptz,
@@ -623,6 +637,8 @@ WITH inserted AS (
         m.properties::json
     FROM pgqueue_staging AS m
     LEFT JOIN {schema}.queue AS q ON q.name = m.queue
+    -- ids follow the order of the COPY, and so does delivery
+    ORDER BY m.ord
     ON CONFLICT (queue, dedup_key) WHERE dedup_key IS NOT NULL DO NOTHING
     RETURNING queue, delayed, next_iteration
 ),

@@ -1,0 +1,272 @@
+"""Idempotent publishing: dedup keys (explicit, or a Celery task's id and retry count).
+
+A key is held while its message waits or is leased by a consumer; the ack frees it.
+Celery tests count executions in the worker, with a sentinel task sent last: once
+the sentinel has run, anything queued before it has run too.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import celery.contrib.testing.tasks  # noqa: F401 - registers celery.ping
+import pytest
+from celery import Celery
+from celery.contrib.testing.worker import start_worker
+from kombu import Connection, Exchange, Producer, Queue
+from tx_helpers import make_app, wait_for
+
+QUEUE = "dd"
+
+
+def _get(connection: Connection, queue: str = QUEUE) -> Any:
+    """Claim one message (leased until acked), or fail."""
+    message = Queue(queue, channel=connection.default_channel).get(no_ack=False)
+    assert message is not None, f"no message in {queue!r}"
+    return message
+
+
+def _recorder(app: Celery) -> tuple[Any, list[str]]:
+    ran: list[str] = []
+
+    @app.task(name="dd.record", shared=False)
+    def record(label: str) -> None:
+        ran.append(label)
+
+    return record, ran
+
+
+def _run_until_sentinel(app: Celery, record: Any, ran: list[str]) -> None:
+    """Start a worker, send a sentinel, and return once it ran."""
+    with start_worker(app, pool="threads", perform_ping_check=False):
+        record.apply_async(("sentinel",), queue="celery")
+        wait_for(lambda: "sentinel" in ran, 20, "the sentinel task")
+
+
+def _argsreprs(rows: Callable[..., list[tuple[Any, ...]]]) -> list[str]:
+    return [headers["argsrepr"] for (headers,) in rows("headers")]
+
+
+# -- Kombu ------------------------------------------------------------------------------
+
+
+def test_publish_same_dedup_key_stores_one_message(connection, rows):
+    producer = Producer(connection)
+    producer.publish({"n": 1}, routing_key=QUEUE, dedup_key="k")
+    producer.publish({"n": 2}, routing_key=QUEUE, dedup_key="k")
+    # the key may also come as a header
+    producer.publish({"n": 3}, routing_key=QUEUE, headers={"dedup_key": "k"})
+    # keys are per queue, and a message without one is never a duplicate
+    producer.publish({"n": 4}, routing_key="dd_other", dedup_key="k")
+    producer.publish({"n": 5}, routing_key=QUEUE)
+    producer.publish({"n": 6}, routing_key=QUEUE)
+    assert rows("queue, dedup_key") == [
+        (QUEUE, "k"),
+        ("dd_other", "k"),
+        (QUEUE, None),
+        (QUEUE, None),
+    ]
+    assert _get(connection).payload == {"n": 1}
+
+
+def test_ack_frees_the_dedup_key(connection, rows):
+    producer = Producer(connection)
+    producer.publish({"n": 1}, routing_key=QUEUE, dedup_key="k")
+    _get(connection).ack()
+    assert rows() == []
+    producer.publish({"n": 2}, routing_key=QUEUE, dedup_key="k")
+    message = _get(connection)
+    assert message.payload == {"n": 2}
+    message.ack()
+    assert rows() == []
+
+
+def test_leased_message_still_holds_its_dedup_key(connection, store, rows):
+    producer = Producer(connection)
+    producer.publish({"n": 1}, routing_key=QUEUE, dedup_key="k")
+    held = _get(connection)
+    assert store.size(QUEUE) == 0  # leased, not waiting
+    producer.publish({"n": 2}, routing_key=QUEUE, dedup_key="k")
+    producer.publish({"n": 3}, routing_key=QUEUE, dedup_key="k", dedup_replace=True)
+    assert [bytes(body) for (body,) in rows("body")] == [b'{"n": 1}']
+    assert store.size(QUEUE) == 0
+    held.ack()
+    producer.publish({"n": 4}, routing_key=QUEUE, dedup_key="k")
+    assert _get(connection).payload == {"n": 4}
+
+
+def test_dedup_replace_overwrites_a_waiting_message(connection, rows):
+    producer = Producer(connection)
+    producer.publish({"n": 1}, routing_key=QUEUE, dedup_key="k", priority=1)
+    producer.publish({"n": 2}, routing_key=QUEUE, dedup_key="k", dedup_replace=True, priority=7)
+    assert [(bytes(b), p) for b, p in rows("body, priority")] == [(b'{"n": 2}', 7)]
+    message = _get(connection)
+    assert message.payload == {"n": 2}
+    message.ack()
+    assert rows() == []
+
+
+def test_dedup_key_through_a_named_exchange(connection, rows):
+    """Documented for any message: also one published to a bound exchange."""
+    channel = connection.default_channel
+    exchange = Exchange("dd_exchange", "direct")
+    Queue(QUEUE, exchange, routing_key="rk", channel=channel).declare()
+    producer = Producer(connection, exchange=exchange)
+    producer.publish({"n": 1}, routing_key="rk", dedup_key="k")
+    producer.publish({"n": 2}, routing_key="rk", dedup_key="k")
+    assert rows("queue, dedup_key") == [(QUEUE, "k")]
+
+
+def test_task_message_ids_dedup_only_when_enabled(make_connection, rows):
+    headers = {"task": "dd.record", "id": "same-id", "retries": 0}
+    on = make_connection()
+    off = make_connection(dedup_task_ids=False)
+    for conn in (on, on, off, off):
+        Producer(conn).publish({"n": 1}, routing_key=QUEUE, headers=headers)
+    # the second copy on the default connection was skipped; both copies without
+    # the option were stored, and carry no key (so they did not collide either)
+    assert rows("dedup_key") == [("celery:same-id:0",), (None,), (None,)]
+    # an explicit key still works with the option off
+    Producer(off).publish({"n": 2}, routing_key=QUEUE, dedup_key="x")
+    Producer(off).publish({"n": 3}, routing_key=QUEUE, dedup_key="x")
+    assert rows("dedup_key", "dedup_key = 'x'") == [("x",)]
+
+
+# -- Celery ------------------------------------------------------------------------------
+
+
+def test_celery_dedup_key_runs_once(app, connection, rows):
+    record, ran = _recorder(app)
+    record.apply_async(("first",), dedup_key="k")
+    record.apply_async(("second",), dedup_key="k")
+    assert _argsreprs(rows) == ["('first',)"]
+    _run_until_sentinel(app, record, ran)
+    assert ran == ["first", "sentinel"]
+
+
+def test_celery_dedup_replace_runs_the_new_args_only(app, connection, rows):
+    record, ran = _recorder(app)
+    old = record.apply_async(("old",), dedup_key="k")
+    new = record.apply_async(("new",), dedup_key="k", dedup_replace=True)
+    assert [(h["argsrepr"], h["id"]) for (h,) in rows("headers")] == [("('new',)", new.id)]
+    assert old.id != new.id
+    _run_until_sentinel(app, record, ran)
+    assert ran == ["new", "sentinel"]
+
+
+def test_celery_dedup_replace_leaves_a_running_message(app, connection, rows):
+    started = threading.Event()
+    gate = threading.Event()
+    ran: list[str] = []
+
+    # acks_late: the message stays leased (and its key held) while the task runs
+    @app.task(name="dd.hold", shared=False, acks_late=True)
+    def hold(label: str) -> None:
+        started.set()
+        gate.wait(20)
+        ran.append(label)
+
+    with start_worker(app, pool="threads", concurrency=2, perform_ping_check=False):
+        hold.apply_async(("running",), dedup_key="k")
+        assert started.wait(15)
+        hold.apply_async(("replacement",), dedup_key="k", dedup_replace=True)
+        hold.apply_async(("duplicate",), dedup_key="k")
+        assert _argsreprs(rows) == ["('running',)"]
+        gate.set()
+        wait_for(lambda: ran == ["running"], 15, "the running task to finish")
+        hold.apply_async(("sentinel",))
+        wait_for(lambda: "sentinel" in ran, 15, "the sentinel task")
+    assert ran == ["running", "sentinel"]
+
+
+def test_celery_task_id_dedup_ends_at_the_early_ack(app, connection, rows):
+    """transport.py: with Celery's default (early) acks the row, and so its key, is gone
+    once the task starts; a publish of the same id after that is queued (documented)."""
+    started = threading.Event()
+    gate = threading.Event()
+    ran: list[str] = []
+
+    @app.task(name="dd.hold", shared=False)
+    def hold(label: str) -> None:
+        started.set()
+        gate.wait(20)
+        ran.append(label)
+
+    with start_worker(app, pool="threads", concurrency=2, perform_ping_check=False):
+        app.send_task("dd.hold", ("first",), task_id="fixed-task-id")
+        assert started.wait(15)
+        # Celery acks before running (acks_late=False): once that ack is written, the
+        # table no longer holds the running task's key
+        wait_for(lambda: rows() == [], 10, "the early ack")
+        # the publish is retried while the task runs
+        app.send_task("dd.hold", ("retried publish",), task_id="fixed-task-id")
+        gate.set()
+        wait_for(lambda: "first" in ran, 15, "the running task to finish")
+        hold.apply_async(("sentinel",))
+        wait_for(lambda: "sentinel" in ran, 15, "the sentinel task")
+    assert sorted(ran) == ["first", "retried publish", "sentinel"]
+
+
+def test_celery_publish_retry_with_same_task_id_runs_once(app, connection, rows):
+    record, ran = _recorder(app)
+    # what a publish retried after its commit reached the server looks like
+    first = app.send_task("dd.record", ("once",), task_id="fixed-task-id")
+    again = app.send_task("dd.record", ("once",), task_id="fixed-task-id")
+    assert first.id == again.id == "fixed-task-id"
+    assert rows("dedup_key") == [("celery:fixed-task-id:0",)]
+    _run_until_sentinel(app, record, ran)
+    assert ran == ["once", "sentinel"]
+
+
+def test_celery_task_id_dedup_through_a_named_exchange(app, connection, rows):
+    """A task routed through an exchange is retried the same way; it must not double."""
+    exchange = Exchange("dd_tasks", "direct")
+    Queue(QUEUE, exchange, routing_key="dd.key", channel=connection.default_channel).declare()
+    for _ in range(2):
+        app.send_task(
+            "dd.record", ("once",), task_id="fixed-task-id", exchange=exchange, routing_key="dd.key"
+        )
+    assert rows("queue, dedup_key") == [(QUEUE, "celery:fixed-task-id:0")]
+
+
+@pytest.mark.parametrize("acks_late", [False, True])
+def test_celery_task_retry_is_not_blocked_by_its_own_key(app, connection, acks_late):
+    attempts: list[int] = []
+    done = threading.Event()
+
+    @app.task(
+        name="dd.flaky",
+        shared=False,
+        bind=True,
+        acks_late=acks_late,
+        autoretry_for=(KeyError,),
+        retry_backoff=0.05,
+        retry_jitter=False,
+        max_retries=3,
+    )
+    def flaky(self: Any) -> int:
+        attempts.append(self.request.retries)
+        if self.request.retries < 2:
+            raise KeyError("again")
+        done.set()
+        return self.request.retries
+
+    with start_worker(app, pool="threads", perform_ping_check=False):
+        flaky.delay()
+        assert done.wait(30), f"the task did not complete; attempts: {attempts}"
+    assert attempts == [0, 1, 2]
+
+
+def test_dedup_task_ids_false_stores_both_copies(celery_dsn, schema, connection, rows):
+    app = make_app(celery_dsn, schema, dedup_task_ids=False)
+    try:
+        record, ran = _recorder(app)
+        app.send_task("dd.record", ("twice",), task_id="fixed-task-id")
+        app.send_task("dd.record", ("twice",), task_id="fixed-task-id")
+        assert rows("dedup_key") == [(None,), (None,)]
+        _run_until_sentinel(app, record, ran)
+        assert sorted(ran) == ["sentinel", "twice", "twice"]
+    finally:
+        app.close()
