@@ -14,15 +14,15 @@ pytestmark = pytest.mark.celery
 
 
 def _tasks(app):
-    @app.task(name="t.add")
+    @app.task(name="t.add", shared=False)
     def add(x, y):
         return x + y
 
-    @app.task(name="t.total")
+    @app.task(name="t.total", shared=False)
     def total(xs):
         return sum(xs)
 
-    @app.task(name="t.record", bind=True)
+    @app.task(name="t.record", bind=True, shared=False)
     def record(self, label, sink=[]):  # noqa: B006 - a shared list is the point
         sink.append((label, self.request.delivery_info.get("priority")))
         return label

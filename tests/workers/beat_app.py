@@ -1,0 +1,181 @@
+"""The Celery app that ``test_features`` runs in real processes: ``celery beat`` and
+``celery worker``.
+
+``celery -A beat_app beat|worker`` builds it from the environment:
+
+* ``PGQUEUE_DSN`` (required): libpq DSN or URL of the test database.
+* ``PGQUEUE_SCHEMA`` (required): the test's broker schema; the ledger lives there too.
+* ``PGQUEUE_BEAT_EVERY`` (unset): seconds between ``feat.record("tick")`` sent by beat.
+* ``PGQUEUE_BROADCAST`` (unset): name of a :class:`kombu.common.Broadcast` queue that
+  every worker consumes besides ``celery`` (each process gets a queue of its own).
+* ``PGQUEUE_PREFETCH`` (1): ``worker_prefetch_multiplier``.
+
+Tasks write every execution to the ``ledger`` table of the schema in their own
+autocommit transactions (task id, label, worker hostname, pid, start and end), so
+the tests count executions in the database instead of trusting results or logs.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import psycopg
+from celery import Celery
+from kombu import Queue
+from kombu.common import Broadcast
+from psycopg import sql
+
+import celery_pgqueue
+
+#: how long a blocked task waits for its gate (it must never outlive a test)
+GATE_LIMIT = 60.0
+
+
+def create_ledger(conn: psycopg.Connection, schema: str) -> None:
+    """Create the ledger and its gate table in ``schema`` (which must exist)."""
+    conn.execute(
+        sql.SQL(
+            """
+            CREATE TABLE {ledger} (
+                run bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+                task_id text NOT NULL,
+                label text NOT NULL,
+                hostname text NOT NULL,
+                pid integer NOT NULL,
+                redelivered boolean,
+                started_at timestamptz NOT NULL DEFAULT clock_timestamp(),
+                finished_at timestamptz
+            )
+            """
+        ).format(ledger=sql.Identifier(schema, "ledger"))
+    )
+    conn.execute(
+        sql.SQL("CREATE TABLE {gate} (name text PRIMARY KEY)").format(
+            gate=sql.Identifier(schema, "ledger_gate")
+        )
+    )
+
+
+class Ledger:
+    """Writes task executions to the ledger; shared by the in-process tests' tasks."""
+
+    def __init__(self, dsn: str, schema: str) -> None:
+        self.dsn = dsn
+        self.table = sql.Identifier(schema, "ledger")
+        self.gate_table = sql.Identifier(schema, "ledger_gate")
+
+    def start(self, task: Any, label: str) -> int:
+        """Write down that ``task`` started; return the run number."""
+        with psycopg.connect(self.dsn, autocommit=True) as conn:
+            row = conn.execute(
+                sql.SQL(
+                    "INSERT INTO {} (task_id, label, hostname, pid, redelivered) "
+                    "VALUES (%s, %s, %s, %s, %s) RETURNING run"
+                ).format(self.table),
+                (
+                    task.request.id,
+                    label,
+                    task.request.hostname or "",
+                    os.getpid(),
+                    (task.request.delivery_info or {}).get("redelivered"),
+                ),
+            ).fetchone()
+        assert row is not None
+        return int(row[0])
+
+    def finish(self, run: int) -> None:
+        with psycopg.connect(self.dsn, autocommit=True) as conn:
+            conn.execute(
+                sql.SQL("UPDATE {} SET finished_at = clock_timestamp() WHERE run = %s").format(
+                    self.table
+                ),
+                (run,),
+            )
+
+    def wait_gate(self, gate: str) -> None:
+        deadline = time.monotonic() + GATE_LIMIT
+        with psycopg.connect(self.dsn, autocommit=True) as conn:
+            query = sql.SQL("SELECT 1 FROM {} WHERE name = %s").format(self.gate_table)
+            while conn.execute(query, (gate,)).fetchone() is None:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"gate {gate!r} stayed shut")
+                threading.Event().wait(0.05)
+
+
+def process_env(dsn: str, schema: str, **settings: Any) -> dict[str, str]:
+    """The environment for ``celery -A beat_app ...``; ``settings`` without the prefix."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(
+            [os.path.dirname(os.path.abspath(__file__)), os.environ.get("PYTHONPATH", "")]
+        ).rstrip(os.pathsep),
+        "PGQUEUE_DSN": dsn,
+        "PGQUEUE_SCHEMA": schema,
+    }
+    for key, value in settings.items():
+        env[f"PGQUEUE_{key.upper()}"] = str(value)
+    return env
+
+
+def make_app(
+    dsn: str,
+    schema: str,
+    *,
+    beat_every: float | None = None,
+    broadcast: str | None = None,
+    prefetch: int = 1,
+) -> Celery:
+    app = Celery("features", set_as_current=False)
+    celery_pgqueue.configure(app, dsn, results=False, schema=schema, polling_interval=0.5)
+    app.conf.update(
+        task_ignore_result=True,
+        task_default_queue="celery",
+        worker_prefetch_multiplier=prefetch,
+        worker_hijack_root_logger=True,
+        broker_connection_retry_on_startup=True,
+    )
+    if broadcast:
+        app.conf.task_queues = (Queue("celery"), Broadcast(broadcast))
+    if beat_every:
+        app.conf.beat_schedule = {
+            "tick": {"task": "feat.record", "schedule": beat_every, "args": ("tick",)}
+        }
+    ledger = Ledger(dsn, schema)
+
+    @app.task(name="feat.record", shared=False, bind=True)
+    def record(self: Any, label: str) -> str:
+        ledger.finish(ledger.start(self, label))
+        return label
+
+    @app.task(name="feat.block", shared=False, bind=True)
+    def block(self: Any, label: str, gate: str) -> str:
+        """Run until a row named ``gate`` is in the gate table."""
+        run = ledger.start(self, label)
+        ledger.wait_gate(gate)
+        ledger.finish(run)
+        return label
+
+    return app
+
+
+def app_from_environment(env: Mapping[str, str] = os.environ) -> Celery:
+    every = env.get("PGQUEUE_BEAT_EVERY")
+    return make_app(
+        env["PGQUEUE_DSN"],
+        env["PGQUEUE_SCHEMA"],
+        beat_every=float(every) if every else None,
+        broadcast=env.get("PGQUEUE_BROADCAST") or None,
+        prefetch=int(env.get("PGQUEUE_PREFETCH", "1")),
+    )
+
+
+def __getattr__(name: str) -> Any:
+    # built on first use, so tests can import the helpers without a worker's environment
+    if name == "app":
+        globals()["app"] = built = app_from_environment()
+        return built
+    raise AttributeError(name)
