@@ -30,6 +30,7 @@ def _tasks(app):
     @app.task(
         name="t.flaky",
         bind=True,
+        shared=False,
         autoretry_for=(KeyError,),
         retry_backoff=0.05,
         retry_jitter=False,
