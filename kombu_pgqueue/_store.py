@@ -95,7 +95,7 @@ class QueueStats:
 
 
 #: statements that go through an enlisted application transaction, if there is one
-_PUBLISHES = frozenset({"publish", "publish_replace", "publish_many", "publish_routed"})
+_PUBLISHES = frozenset({"publish", "publish_many", "publish_routed"})
 
 
 def new_lease() -> int:
@@ -176,8 +176,8 @@ class Store:
 
         With ``replace``, a waiting message with the same dedup key is overwritten.
         """
-        name = "publish_replace" if replace else "publish"
-        row = self._one(name, {**message.params(), "channel": self.options.channel})
+        params = {**message.params(), "replace": replace, "channel": self.options.channel}
+        row = self._one("publish", params)
         return int(row[0]) if row else None
 
     def publish_many(self, messages: Sequence[Outgoing]) -> int:

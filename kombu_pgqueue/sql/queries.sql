@@ -7,45 +7,8 @@
 -- name: publish :one
 -- One message. A due message wakes consumers ('r:' + queue); a delayed one tells
 -- them when it falls due ('d:' + epoch seconds), so they can sleep until then.
-WITH inserted AS (
-    INSERT INTO {schema}.message (
-        queue, priority, delayed, next_iteration, expires_at, dedup_key,
-        body, content_type, content_encoding, headers, properties
-    )
-    VALUES (
-        %(queue)s,
-        %(priority)s,
-        coalesce(%(eta)s::timestamptz > now(), false),
-        coalesce(%(eta)s::timestamptz, now()),
-        least(
-            %(expires_at)s::timestamptz,
-            now() + (SELECT q.message_ttl FROM {schema}.queue AS q WHERE q.name = %(queue)s)
-        ),
-        %(dedup_key)s,
-        %(body)s,
-        %(content_type)s,
-        %(content_encoding)s,
-        %(headers)s::json,
-        %(properties)s::json
-    )
-    ON CONFLICT (queue, dedup_key) WHERE dedup_key IS NOT NULL DO NOTHING
-    RETURNING id, delayed, next_iteration
-)
-SELECT
-    inserted.id,
-    pg_notify(
-        %(channel)s,
-        CASE WHEN inserted.delayed
-            THEN 'd:' || extract(EPOCH FROM inserted.next_iteration)::text
-            ELSE 'r:' || %(queue)s
-        END
-    )
-FROM inserted;
-
--- name: publish_replace :one
--- Like publish, but a waiting message with the same dedup key is replaced by this
--- one (body, headers, ETA); one that a consumer holds is left alone and this
--- publish is skipped.
+-- A message whose dedup key is taken is skipped (no row returned), or, with
+-- %(replace)s, replaces the waiting one; one that a consumer holds is never replaced.
 WITH inserted AS (
     INSERT INTO {schema}.message AS m (
         queue, priority, delayed, next_iteration, expires_at, dedup_key,
@@ -80,8 +43,8 @@ WITH inserted AS (
         -- a new message: a stale holder's ack must not delete it
         lease = NULL,
         attempts = 0
-    WHERE m.lease IS NULL
-       OR m.next_iteration <= now()
+    WHERE %(replace)s::boolean
+      AND (m.lease IS NULL OR m.next_iteration <= now())
     RETURNING id, delayed, next_iteration
 )
 SELECT
