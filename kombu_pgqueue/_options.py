@@ -40,6 +40,7 @@ class Options:
     listen: bool = True
     batch_acks: bool = True
     dedup_task_ids: bool = True
+    relax_consumer_commits: bool = True
     auto_migrate: bool = True
     pool_max_size: int = 8
     pool_timeout: float = 30.0
@@ -159,7 +160,13 @@ def parse_options(transport_options: Mapping[str, Any]) -> Options:
         kwargs["prepare_threshold"] = (
             None if value is None else _number("prepare_threshold", value, minimum=0, integer=True)
         )
-    for name in ("listen", "auto_migrate", "batch_acks", "dedup_task_ids"):
+    for name in (
+        "listen",
+        "auto_migrate",
+        "batch_acks",
+        "dedup_task_ids",
+        "relax_consumer_commits",
+    ):
         if name in topts:
             kwargs[name] = _flag(name, topts[name])
     options = Options(**kwargs)

@@ -94,6 +94,11 @@ class QueueStats:
     oldest_ready_age: float | None
 
 
+#: consumer-side statements whose lost commit can only cause a redelivery
+_RELAXED = frozenset(
+    {"claim", "ack", "ack_many", "requeue", "release", "bury", "renew", "poll", "sweep"}
+)
+
 #: statements that go through an enlisted application transaction, if there is one
 _PUBLISHES = frozenset({"publish", "publish_many", "publish_routed"})
 
@@ -162,7 +167,13 @@ class Store:
                 with self._translated(name):
                     return enlisted.rows(self.schema, self._q[name], params)
         with self._translated(name), self.pool.connection() as conn:
-            cur = conn.execute(self._q[name], params)
+            if name in _RELAXED and self.options.relax_consumer_commits:
+                # one round trip: BEGIN, SET LOCAL, the statement, COMMIT
+                with conn.pipeline(), conn.transaction():
+                    conn.execute(self._q["relax_commit"])
+                    cur = conn.execute(self._q[name], params)
+            else:
+                cur = conn.execute(self._q[name], params)
             return cur.fetchall() if cur.description else []
 
     def _one(self, name: str, params: dict[str, Any]) -> tuple[Any, ...] | None:

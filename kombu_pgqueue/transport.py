@@ -57,6 +57,10 @@ Transport options
   also carry its own key: ``properties["dedup_key"]`` or ``headers["dedup_key"]``
   (Celery: ``apply_async(..., dedup_key="...")``); with ``dedup_replace=True`` a
   waiting message with that key is replaced instead.
+* ``relax_consumer_commits`` (bool, True): claims, acks, renewals and releases commit
+  without waiting for the WAL flush (``SET LOCAL synchronous_commit = off`` in their
+  own transaction). A database crash can forget the last of them, which only causes a
+  redelivery. Publishes always wait for the flush.
 * ``sweep_interval`` (float, 30): seconds between removals of expired messages
   and unused ``x-expires`` queues.
 * ``listen`` (bool, True): wait on LISTEN/NOTIFY. Turn off behind PgBouncer in
@@ -102,6 +106,9 @@ logger = logging.getLogger(__name__)
 #: a batch size for consumers that set no prefetch limit
 UNLIMITED_BATCH = 100
 
+#: seconds a consumer that still holds messages waits for half its window to free
+CLAIM_BATCH_WAIT = 0.05
+
 
 def _parse_tag(delivery_tag: str) -> tuple[int, int]:
     message_id, _, lease = str(delivery_tag).partition(".")
@@ -133,6 +140,14 @@ def _ms_from_now(value: Any) -> datetime | None:
 
 def _seconds(ms: Any) -> float | None:
     return None if ms is None else float(ms) / 1000.0
+
+
+def _cancel(timer: Any) -> None:
+    if timer is not None:
+        try:
+            timer.cancel()
+        except Exception:  # noqa: S110 - a timer the loop already dropped
+            pass
 
 
 class QoS(virtual.QoS):
@@ -199,6 +214,7 @@ class Channel(virtual.Channel):
         super().__init__(connection, **kwargs)
         self.store: Store = connection.store
         self._noack_queues: set[str] = set()
+        self._last_claim = 0.0
 
     # -- declarations ----------------------------------------------------------
 
@@ -412,14 +428,30 @@ class Channel(virtual.Channel):
         return result
 
     def batch_limit(self) -> int:
-        """How many messages this channel may take now (prefetch window)."""
+        """How many messages this channel should claim now (0: not yet).
+
+        Within the prefetch window, but not one slot at a time: while the channel
+        still holds messages, it waits until half the window is free (or a moment has
+        passed), so a worker refills in batches instead of paying a claim per task.
+        """
         if not self.qos.can_consume():
             return 0
         estimate = self.qos.can_consume_max_estimate()
-        return UNLIMITED_BATCH if estimate is None else int(estimate)
+        if estimate is None:
+            return UNLIMITED_BATCH
+        window = self.qos.prefetch_count
+        holding = window - estimate
+        if (
+            holding > 0
+            and estimate * 2 < window
+            and time.monotonic() - self._last_claim < CLAIM_BATCH_WAIT
+        ):
+            return 0
+        return int(estimate)
 
     def fetch(self, queue: str, limit: int) -> list[dict[str, Any]]:
         """Claim up to ``limit`` messages of ``queue`` as Kombu payloads."""
+        self._last_claim = time.monotonic()
         self.connection.flush_acks()
         if queue in self._noack_queues:
             return [self._payload(row, queue, 0) for row in self.store.take(queue, limit)]
@@ -502,6 +534,9 @@ class Transport(virtual.Transport):
         self._loop: Any = None
         self._loop_fd: int | None = None
         self._timers: list[Any] = []
+        self._due_timer: Any = None
+        self._retry_timer: Any = None
+        self._retry_armed = False
 
     def driver_version(self) -> str:
         return str(psycopg.__version__)
@@ -602,7 +637,16 @@ class Transport(virtual.Transport):
             for payload in payloads:
                 self._deliver(payload, queue)
             delivered += len(payloads)
+        if self._pending and self._loop is not None and not self._retry_armed:
+            # a claim put off for batching must still happen soon
+            self._retry_armed = True
+            self._retry_timer = self._loop.call_later(CLAIM_BATCH_WAIT, self._retry_pending)
         return delivered
+
+    def _retry_pending(self) -> None:
+        self._retry_armed = False
+        if self._pending:
+            self._deliver_pending()
 
     def _poll(self) -> None:
         """The safety poll: promote due delayed messages and find ready queues."""
@@ -623,7 +667,8 @@ class Transport(virtual.Transport):
         self._next_due = due
         if self._loop is not None:
             delay = max(due - time.time(), 0.0) + 0.001
-            self._timers.append(self._loop.call_later(delay, self._on_due))
+            _cancel(self._due_timer)
+            self._due_timer = self._loop.call_later(delay, self._on_due)
 
     # -- synchronous consuming -------------------------------------------------------
 
@@ -641,6 +686,8 @@ class Transport(virtual.Transport):
                 waits.append(deadline - now)
             if self._next_due is not None:
                 waits.append(self._next_due - time.time())
+            if self._pending:
+                waits.append(CLAIM_BATCH_WAIT)
             wait = max(min(waits), 0.0)
             if deadline is not None and now >= deadline:
                 raise TimeoutError()
@@ -677,13 +724,12 @@ class Transport(virtual.Transport):
                 pass
             self._loop_fd = None
         loop.on_tick.discard(self._on_tick)
-        for timer in self._timers:
-            try:
-                timer.cancel()
-            except Exception:  # noqa: S110 - a timer the loop already dropped
-                pass
+        for timer in (*self._timers, self._due_timer, self._retry_timer):
+            _cancel(timer)
         self._timers.clear()
+        self._due_timer = self._retry_timer = None
         self._next_due = None
+        self._retry_armed = False
 
     def unregister_from_event_loop(self, connection: Any, loop: Any) -> None:
         self._unregister()

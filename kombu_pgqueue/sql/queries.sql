@@ -617,3 +617,11 @@ SELECT
     (SELECT count(*) FROM inserted) AS inserted,
     pg_notify(%(channel)s, wake.payload)
 FROM wake;
+
+-- name: relax_commit :none
+-- Sent before consumer-side statements (claim, ack, renew, release, requeue, bury,
+-- poll) in the same transaction: their commit does not wait for the WAL flush. A
+-- server crash can then forget the last few of them, which only means a message is
+-- delivered again, as at-least-once allows. Publishes never do this: a published
+-- message is on disk when publish returns.
+SET LOCAL synchronous_commit = off;
