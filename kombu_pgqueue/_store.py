@@ -95,9 +95,7 @@ class QueueStats:
 
 
 #: consumer-side statements whose lost commit can only cause a redelivery
-_RELAXED = frozenset(
-    {"claim", "ack", "ack_many", "requeue", "release", "bury", "renew", "poll", "sweep"}
-)
+_RELAXED = frozenset({"claim", "ack", "ack_many", "requeue", "release", "bury", "renew"})
 
 #: statements that go through an enlisted application transaction, if there is one
 _PUBLISHES = frozenset({"publish", "publish_many", "publish_routed"})

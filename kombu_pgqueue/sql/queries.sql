@@ -619,8 +619,8 @@ SELECT
 FROM wake;
 
 -- name: relax_commit :none
--- Sent before consumer-side statements (claim, ack, renew, release, requeue, bury,
--- poll) in the same transaction: their commit does not wait for the WAL flush. A
+-- Sent before consumer-side statements (claim, ack, renew, release, requeue, bury)
+-- in the same transaction (not before the idle poll, which stays one statement): their commit does not wait for the WAL flush. A
 -- server crash can then forget the last few of them, which only means a message is
 -- delivered again, as at-least-once allows. Publishes never do this: a published
 -- message is on disk when publish returns.
