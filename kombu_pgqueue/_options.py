@@ -35,7 +35,7 @@ class Options:
     visibility_timeout: float = 60.0
     lease_renewal_interval: float | None = None
     max_attempts: int = 5
-    polling_interval: float = 2.0
+    polling_interval: float = 5.0
     sweep_interval: float = 30.0
     listen: bool = True
     batch_acks: bool = True

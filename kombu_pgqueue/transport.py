@@ -43,7 +43,7 @@ Transport options
 * ``lease_renewal_interval`` (float, visibility_timeout / 3): seconds between renewals.
 * ``max_attempts`` (int, 5): deliveries without an ack before a message is moved to
   the dead letters. 0 turns the limit off.
-* ``polling_interval`` (float, 2.0): seconds between safety polls, which catch what a
+* ``polling_interval`` (float, 5.0): seconds between safety polls, which catch what a
   lost notification missed and keep expiring queues alive. With LISTEN off this is
   the delivery latency.
 * ``batch_acks`` (bool, True): acks are deleted by a background thread, everything
@@ -504,7 +504,7 @@ class Transport(virtual.Transport):
     default_port = 5432
     driver_type = "pgqueue"
     driver_name = "psycopg"
-    polling_interval = 2.0
+    polling_interval = 5.0
 
     implements = virtual.Transport.implements.extend(
         asynchronous=True,
