@@ -28,7 +28,7 @@ def test_parse_options_defaults_match_the_documented_ones() -> None:
     assert options.visibility_timeout == 60.0
     assert options.renewal_interval == 20.0
     assert options.max_attempts == 5
-    assert options.polling_interval == 2.0
+    assert options.polling_interval == 5.0
     assert options.listen is True
     assert options.auto_migrate is True
     assert options.libpq == {}
