@@ -22,8 +22,9 @@ import os
 import time
 from typing import Any
 
-import kombu_pgqueue  # noqa: F401 - registers pgqueue:// in every process, workers included
 from celery import Celery, signals
+
+import kombu_pgqueue  # noqa: F401 - registers pgqueue:// in every process, workers included
 
 #: Celery settings shared by every broker (the harness prints them)
 COMMON_SETTINGS: dict[str, Any] = {
@@ -48,7 +49,9 @@ def _write(line: str) -> None:
         os.write(_sink_fd, line.encode())
 
 
-def make_app(broker: str, transport_options: dict[str, Any], queue: str, sink: str | None = None) -> Celery:
+def make_app(
+    broker: str, transport_options: dict[str, Any], queue: str, sink: str | None = None
+) -> Celery:
     """A Celery app for ``broker`` whose default queue is ``queue``.
 
     With ``sink`` (worker side), the signal handlers that record timings are connected.

@@ -20,6 +20,7 @@ from __future__ import annotations
 import socket
 import struct
 import threading
+import time
 from collections import Counter
 
 _SSL_REQUEST = 80877103
@@ -40,6 +41,8 @@ class CountingProxy:
         self.port = self._server.getsockname()[1]
         self._closed = False
         self._sockets: set[socket.socket] = set()
+        #: set to a list to record (time, type, payload) of every Parse/Bind/Query message
+        self.trace: list[tuple[float, str, bytes]] | None = None
         threading.Thread(target=self._accept, name="pgproxy-accept", daemon=True).start()
 
     # -- counters --------------------------------------------------------------------
@@ -121,6 +124,14 @@ class CountingProxy:
                     if len(buffer) - pos < 1 + length:
                         break
                     found.append(chr(buffer[pos]))
+                    if self.trace is not None and buffer[pos] in b"PBQ":
+                        self.trace.append(
+                            (
+                                time.time(),
+                                chr(buffer[pos]),
+                                bytes(buffer[pos + 5 : pos + 1 + length]),
+                            )
+                        )
                     pos += 1 + length
                 buffer = buffer[pos:]
                 if found:

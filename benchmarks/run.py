@@ -14,6 +14,7 @@ reached is reported as absent. See README.md for what each figure measures.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import io
 import json
 import os
@@ -24,7 +25,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import traceback
 import uuid
@@ -39,37 +39,60 @@ for path in (HERE, ROOT):
         sys.path.insert(0, path)
 
 import psycopg  # noqa: E402
+from bench_app import COMMON_SETTINGS, make_app  # noqa: E402
 from kombu import Connection, Consumer, Exchange, Producer, Queue  # noqa: E402
+from pgproxy import CountingProxy  # noqa: E402
 
 import kombu_pgqueue  # noqa: E402,F401 - registers pgqueue://
-from bench_app import COMMON_SETTINGS, make_app  # noqa: E402
-from pgproxy import CountingProxy  # noqa: E402
 
 PG_DSN = os.environ.get("BENCH_PG_DSN", "host=127.0.0.1 port=5432 user=postgres dbname=test")
 PG_HOSTPORT = ("127.0.0.1", 5432)
 REDIS_URL = os.environ.get("BENCH_REDIS_URL", "redis://127.0.0.1:6379/15")
 AMQP_URL = os.environ.get("BENCH_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672//")
 
+STEP_WATCHDOG = 300.0  # seconds
+
 WORKER_FLAGS = ["--without-mingle", "--without-gossip", "-l", "WARNING"]
 
 SIZES = {
+    # caps are in seconds: a slow broker publishes what fits in the cap (noted in the output)
     "full": dict(
-        kombu_n=5000, kombu_cap=20.0,
-        celery_n=5000, drain_timeout=300.0,
-        latency_n=200, latency_cap=40.0,
-        idle_settle=5.0, idle_window=20.0,
-        deep_n=2_000_000, claim_reps=200,
+        kombu_n=5000,
+        kombu_cap=10.0,
+        consume_cap=20.0,
+        celery_n=5000,
+        publish_cap=8.0,
+        drain_timeout=300.0,
+        latency_n=200,
+        latency_min=15,
+        latency_cap=15.0,
+        idle_settle=3.0,
+        idle_window=20.0,
+        deep_n=2_000_000,
+        claim_reps=200,
+        churn_n=50_000,
         bulk_n=100_000,
-        eta_n=100_000,
+        eta_n=30_000,
+        eta_settle_cap=45.0,
     ),
     "quick": dict(
-        kombu_n=1000, kombu_cap=8.0,
-        celery_n=1000, drain_timeout=120.0,
-        latency_n=50, latency_cap=12.0,
-        idle_settle=3.0, idle_window=10.0,
-        deep_n=200_000, claim_reps=100,
+        kombu_n=1000,
+        kombu_cap=4.0,
+        consume_cap=8.0,
+        celery_n=1000,
+        publish_cap=5.0,
+        drain_timeout=120.0,
+        latency_n=50,
+        latency_min=8,
+        latency_cap=5.0,
+        idle_settle=2.0,
+        idle_window=6.0,
+        deep_n=300_000,
+        claim_reps=30,
+        churn_n=20_000,
         bulk_n=20_000,
-        eta_n=10_000,
+        eta_n=5_000,
+        eta_settle_cap=10.0,
     ),
 }
 
@@ -107,7 +130,9 @@ def make_brokers(prefix: str) -> dict[str, Broker]:
         "sqla": Broker(
             "sqla",
             "sqla+postgresql+psycopg://postgres@127.0.0.1/test",
-            {"queue_tablename": f"{prefix}_kombu_queue", "message_tablename": f"{prefix}_kombu_message"},
+            # its own schema: Kombu names the tables' indexes without the table name,
+            # so two kombu_message tables cannot share a schema
+            {"connect_args": {"options": f"-c search_path={prefix}_sqla"}},
             url_via=lambda port: f"sqla+postgresql+psycopg://postgres@127.0.0.1:{port}/test",
         ),
     }
@@ -115,6 +140,14 @@ def make_brokers(prefix: str) -> dict[str, Broker]:
 
 def probe(broker: Broker) -> None:
     try:
+        if broker.name == "sqla":
+            with psycopg.connect(PG_DSN, autocommit=True, connect_timeout=3) as conn:
+                schema = broker.options["connect_args"]["options"].rpartition("=")[2]
+                conn.execute(
+                    psycopg.sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(
+                        psycopg.sql.Identifier(schema)
+                    )
+                )
         with Connection(broker.url, transport_options=broker.options, connect_timeout=3) as conn:
             conn.ensure_connection(max_retries=1, timeout=5)
             ch = conn.channel()
@@ -173,8 +206,16 @@ class Worker:
 
     all: list[Worker] = []
 
-    def __init__(self, ctx: Ctx, broker: Broker, queue: str, pool: str, concurrency: int,
-                 url: str | None = None, tag: str = "w") -> None:
+    def __init__(
+        self,
+        ctx: Ctx,
+        broker: Broker,
+        queue: str,
+        pool: str,
+        concurrency: int,
+        url: str | None = None,
+        tag: str = "w",
+    ) -> None:
         self.sink = Sink(os.path.join(ctx.tmp, f"sink-{queue}-{tag}.txt"))
         self.logfile = os.path.join(ctx.tmp, f"worker-{queue}-{tag}.log")
         env = dict(os.environ)
@@ -186,16 +227,32 @@ class Worker:
             PYTHONPATH=os.pathsep.join(filter(None, [HERE, ROOT, env.get("PYTHONPATH")])),
         )
         self.cmd = [
-            sys.executable, "-m", "celery", "-A", "bench_app", "worker",
-            "--pool", pool, "-c", str(concurrency), *WORKER_FLAGS,
-            "-n", f"{queue}-{tag}@%h",
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "bench_app",
+            "worker",
+            "--pool",
+            pool,
+            "-c",
+            str(concurrency),
+            *WORKER_FLAGS,
+            "-n",
+            f"{queue}-{tag}@%h",
         ]
         self._log = open(self.logfile, "wb")
         self.proc = subprocess.Popen(
-            self.cmd, cwd=HERE, env=env, stdout=self._log, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, start_new_session=True,
+            self.cmd,
+            cwd=HERE,
+            env=env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
         )
         self.started = time.time()
+        self.killed = False
         Worker.all.append(self)
 
     def wait_ready(self, timeout: float = 60.0) -> None:
@@ -240,7 +297,7 @@ class Worker:
                 pass
         return total / 1024.0
 
-    def stop(self, grace: float = 15.0) -> None:
+    def stop(self, grace: float = 5.0) -> None:
         if self.proc.poll() is None:
             try:
                 os.killpg(self.proc.pid, signal.SIGTERM)
@@ -250,6 +307,7 @@ class Worker:
                 self.proc.wait(grace)
             except subprocess.TimeoutExpired:
                 pass
+        self.killed = self.proc.poll() is None
         # the children too, even if the main process is already gone
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
@@ -278,6 +336,7 @@ class Ctx:
     queues: dict[str, set[str]] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    code_at_start: str = ""
 
     def queue(self, broker: Broker, name: str) -> str:
         full = f"{self.prefix}_{name}"
@@ -334,11 +393,13 @@ FIGURES: dict[str, tuple[str, str, str]] = {
     "claim1_deep": ("claim(1)+ack, deep backlog", "ms", "lower"),
     "claim100_shallow": ("claim(100)+ack_many, 10k backlog", "ms", "lower"),
     "claim100_deep": ("claim(100)+ack_many, deep backlog", "ms", "lower"),
-    "claim1_churned": ("claim(1)+ack after 50k acks, no vacuum", "ms", "lower"),
+    "claim1_churned": ("claim(1)+ack after churn_n acks, no vacuum", "ms", "lower"),
+    "claim1_vacuumed": ("claim(1)+ack, same, after VACUUM", "ms", "lower"),
     "bulk_publish_many": ("Store.publish_many, batches of 1000", "msg/s", "higher"),
     "bulk_copy": ("COPY into the message table", "msg/s", "higher"),
     "rss_empty": ("Worker RSS (prefork -c 2), empty queue", "MB", "lower"),
     "rss_eta": ("Worker RSS with ETA tasks due tomorrow", "MB", "lower"),
+    "eta_held": ("ETA tasks held in worker memory", "tasks", "lower"),
 }
 
 SMALL_BODY = {"id": 0, "payload": "x" * 64}
@@ -355,7 +416,8 @@ def bench_kombu(ctx: Ctx, broker: Broker, run: int) -> dict[str, float]:
         bound.declare()
         bound.purge()
         producer = Producer(ch, serializer="json")
-        producer.publish(SMALL_BODY, routing_key=name)  # warm-up (connection, prepare)
+        for _ in range(100):  # warm-up: connection, pooled connections, prepared statements
+            producer.publish(SMALL_BODY, routing_key=name)
         bound.purge()
         published = 0
         t0 = time.perf_counter()
@@ -366,8 +428,10 @@ def bench_kombu(ctx: Ctx, broker: Broker, run: int) -> dict[str, float]:
                 break
         out["kombu_publish"] = published / (time.perf_counter() - t0)
         if published < n:
-            ctx.notes.append(f"{broker.name}: kombu publish stopped at the {cap:.0f}s cap "
-                             f"after {published} of {n} messages")
+            ctx.notes.append(
+                f"{broker.name}: kombu publish stopped at the {cap:.0f}s cap "
+                f"after {published} of {n} messages"
+            )
         got = 0
 
         def on_message(body: Any, message: Any) -> None:
@@ -375,9 +439,10 @@ def bench_kombu(ctx: Ctx, broker: Broker, run: int) -> dict[str, float]:
             message.ack()
             got += 1
 
-        consumer = Consumer(ch, [queue], callbacks=[on_message], prefetch_count=100,
-                            accept=["json"])
-        deadline = time.monotonic() + max(60.0, published / 50)
+        consumer = Consumer(
+            ch, [queue], callbacks=[on_message], prefetch_count=100, accept=["json"]
+        )
+        deadline = time.monotonic() + ctx.sizes["consume_cap"]
         t0 = time.perf_counter()
         with consumer:
             while got < published and time.monotonic() < deadline:
@@ -389,98 +454,107 @@ def bench_kombu(ctx: Ctx, broker: Broker, run: int) -> dict[str, float]:
                     if "timed out" not in str(exc):
                         raise
         elapsed = time.perf_counter() - t0
-        if got < published:
-            ctx.problem(broker.name, "kombu_consume",
-                        f"consumed {got} of {published} messages before the deadline")
-        else:
+        if got:
             out["kombu_consume"] = got / elapsed
+        if got < published:
+            ctx.notes.append(
+                f"{broker.name}: kombu consume stopped at the {ctx.sizes['consume_cap']:.0f}s "
+                f"cap after {got} of {published} messages"
+            )
         try:
             left = bound.queue_declare(passive=True).message_count
         except Exception:  # noqa: BLE001 - Redis forgets an empty queue
             left = 0
-        if left:
-            ctx.problem(broker.name, "kombu_consume", f"{left} messages left after draining")
+        if left != published - got:
+            ctx.problem(
+                broker.name,
+                "kombu_consume",
+                f"{left} messages left after consuming {got} of {published}",
+            )
+        if broker.name == "pgqueue":
+            # every acked message must be gone from the table, not merely invisible
+            time.sleep(0.2)
+            with psycopg.connect(PG_DSN, autocommit=True) as pg:
+                rows = pg.execute(
+                    psycopg.sql.SQL(
+                        "SELECT count(*) FROM {}.message WHERE queue = %s AND lease IS NOT NULL"
+                    ).format(psycopg.sql.Identifier(broker.options["schema"])),
+                    (name,),
+                ).fetchone()[0]
+            if rows:
+                ctx.problem(
+                    broker.name,
+                    "kombu_consume",
+                    f"{rows} delivered+acked messages are still in the table",
+                )
         bound.delete()
     return out
 
 
-def publish_backlog(ctx: Ctx, broker: Broker, name: str, n: int) -> float:
-    """apply_async n no-op tasks from this process; return tasks/s."""
+def publish_backlog(ctx: Ctx, broker: Broker, name: str, n: int) -> tuple[int, float]:
+    """apply_async up to n no-op tasks from this process (time-capped); return (count, tasks/s)."""
+    cap = ctx.sizes["publish_cap"]
     declare(broker, name)
     app = make_app(broker.url, broker.options, name)
     try:
         noop = app.tasks["bench.noop"]
-        noop.apply_async()  # warm-up: connection, producer pool, declarations
-        t0 = time.perf_counter()
-        for _ in range(n - 1):
+        for _ in range(20):  # warm-up: connection, producer pool, declarations, prepares
             noop.apply_async()
-        return (n - 1) / (time.perf_counter() - t0)
+        sent = 20
+        t0 = time.perf_counter()
+        while sent < n:
+            noop.apply_async()
+            sent += 1
+            if sent % 100 == 0 and time.perf_counter() - t0 > cap:
+                break
+        rate = (sent - 20) / (time.perf_counter() - t0)
+        if sent < n:
+            ctx.notes.append(
+                f"{broker.name}: Celery backlog publishing stopped at the {cap:.0f}s cap "
+                f"({sent} of {n} tasks); drain figures use that backlog"
+            )
+        return sent, rate
     finally:
         app.close()
 
 
-def drain(ctx: Ctx, broker: Broker, name: str, n: int, pool: str, conc: int, figure: str) -> float | None:
-    worker = Worker(ctx, broker, name, pool, conc, tag=pool)
-    try:
-        deadline = time.monotonic() + ctx.sizes["drain_timeout"]
-        sink = worker.sink
-        while time.monotonic() < deadline:
-            sink.read()
-            if len(sink.done) >= n:
-                break
-            if worker.proc.poll() is not None:
-                ctx.problem(broker.name, figure, f"worker died:\n{worker.log_tail()}")
-                return None
-            time.sleep(0.05)
-        time.sleep(0.3)  # catch duplicates that arrive late
+def drain(ctx: Ctx, worker: Worker, broker: Broker, n: int, figure: str) -> float | None:
+    """Wait until the worker has run n tasks; return tasks/s first start -> last end."""
+    deadline = time.monotonic() + ctx.sizes["drain_timeout"]
+    sink = worker.sink
+    while time.monotonic() < deadline:
         sink.read()
-        ids = [d[2] for d in sink.done]
-        unique = len(set(ids))
-        if unique < n:
-            ctx.problem(broker.name, figure,
-                        f"only {unique} of {n} tasks ran within {ctx.sizes['drain_timeout']:.0f}s "
-                        f"(log tail:\n{worker.log_tail(15)})")
+        if len(sink.done) >= n:
+            break
+        if worker.proc.poll() is not None:
+            ctx.problem(broker.name, figure, f"worker died:\n{worker.log_tail()}")
             return None
-        if len(ids) > unique:
-            ctx.problem(broker.name, figure, f"{len(ids) - unique} tasks ran twice")
-        first = min(d[0] for d in sink.done)
-        last = max(d[1] for d in sink.done)
-        return n / (last - first)
-    finally:
-        worker.stop()
+        time.sleep(0.05)
+    time.sleep(0.3)  # catch duplicates that arrive late
+    sink.read()
+    ids = [d[2] for d in sink.done]
+    unique = len(set(ids))
+    if unique < n:
+        ctx.problem(
+            broker.name,
+            figure,
+            f"only {unique} of {n} tasks ran within {ctx.sizes['drain_timeout']:.0f}s "
+            f"(cmd: {' '.join(worker.cmd)}; log tail:\n{worker.log_tail(15)})",
+        )
+        return None
+    if len(ids) > unique:
+        ctx.problem(broker.name, figure, f"{len(ids) - unique} tasks ran twice")
+    first = min(d[0] for d in sink.done)
+    last = max(d[1] for d in sink.done)
+    return n / (last - first)
 
 
-def bench_celery(ctx: Ctx, broker: Broker, run: int, want: set[str]) -> dict[str, float]:
-    n = ctx.sizes["celery_n"]
-    out: dict[str, float] = {}
-    plans = [p for p in ("drain_prefork", "drain_threads") if p in want]
-    if not plans:
-        plans = [None]  # publish only
-    for plan in plans:
-        name = ctx.queue(broker, f"c{run}{(plan or 'pub')[6:9]}")
-        try:
-            rate = publish_backlog(ctx, broker, name, n)
-            if "celery_publish" in want and "celery_publish" not in out:
-                out["celery_publish"] = rate
-            if plan == "drain_prefork":
-                r = drain(ctx, broker, name, n, "prefork", 2, plan)
-            elif plan == "drain_threads":
-                r = drain(ctx, broker, name, n, "threads", 8, plan)
-            else:
-                r = None
-            if plan and r is not None:
-                out[plan] = r
-        finally:
-            delete_queue(broker, name)
-    return out
-
-
-def bench_latency(ctx: Ctx, broker: Broker, run: int) -> dict[str, float]:
+def measure_latency(
+    ctx: Ctx, worker: Worker, broker: Broker, name: str, run: int
+) -> dict[str, float]:
+    """Sequential apply_async -> task start on an idle worker consuming queue name."""
     n, cap = ctx.sizes["latency_n"], ctx.sizes["latency_cap"]
-    name = ctx.queue(broker, f"l{run}")
-    declare(broker, name)
     app = make_app(broker.url, broker.options, name)
-    worker = Worker(ctx, broker, name, "prefork", 2, tag="lat")
     out: dict[str, float] = {}
     try:
         worker.wait_ready()
@@ -505,47 +579,137 @@ def bench_latency(ctx: Ctx, broker: Broker, run: int) -> dict[str, float]:
             if i >= warmup:
                 samples.append((started - sent) * 1000.0)
             time.sleep(0.02)  # let the worker go idle again
-            if i >= warmup + 20 and time.monotonic() - t_start > cap:
+            if i >= warmup + ctx.sizes["latency_min"] and time.monotonic() - t_start > cap:
                 break
         if lost:
             ctx.problem(broker.name, "latency", f"{lost} latency tasks did not start within 15s")
         if len(samples) < n:
-            ctx.notes.append(f"{broker.name}: latency run {run + 1} stopped at the {cap:.0f}s cap "
-                             f"with {len(samples)} of {n} samples")
-        if len(samples) >= 10:
+            ctx.notes.append(
+                f"{broker.name}: latency stopped at the {cap:.0f}s cap "
+                f"with {len(samples)} of {n} samples (run {run + 1})"
+            )
+        if len(samples) >= min(10, ctx.sizes["latency_min"]):
             qs = statistics.quantiles(samples, n=100, method="inclusive")
-            out.update(latency_p50=statistics.median(samples), latency_p95=qs[94], latency_p99=qs[98])
+            out.update(
+                latency_p50=statistics.median(samples), latency_p95=qs[94], latency_p99=qs[98]
+            )
     finally:
-        worker.stop()
         app.close()
-        delete_queue(broker, name)
     return out
 
 
-def bench_idle(ctx: Ctx, broker: Broker, run: int) -> dict[str, float]:
-    if broker.url_via is None:
-        return {}
-    name = ctx.queue(broker, f"i{run}")
-    declare(broker, name)
-    proxy = CountingProxy(PG_HOSTPORT)
-    worker = Worker(ctx, broker, name, "prefork", 2, url=broker.url_via(proxy.port), tag="idle")
+def bench_celery(ctx: Ctx, broker: Broker, run: int, want: set[str]) -> dict[str, float]:
+    """Celery publish, drain (prefork, threads) and latency (on the prefork worker once idle)."""
+    n = ctx.sizes["celery_n"]
+    out: dict[str, float] = {}
+    plans: list[tuple[str, str, int]] = []
+    if want & {"drain_prefork", "latency"}:
+        plans.append(("prefork", "prefork", 2))
+    if "drain_threads" in want:
+        plans.append(("threads", "threads", 8))
+    if not plans:
+        plans.append(("publish", "", 0))
+    for tag, pool, conc in plans:
+        name = ctx.queue(broker, f"c{run}{tag[:3]}")
+        worker: Worker | None = None
+        try:
+            backlog = 0
+            if "celery_publish" in want or f"drain_{tag}" in want:
+                backlog, rate = publish_backlog(ctx, broker, name, n)
+                if "celery_publish" in want and "celery_publish" not in out:
+                    out["celery_publish"] = rate
+            else:
+                declare(broker, name)
+            if not pool:
+                continue
+            worker = Worker(ctx, broker, name, pool, conc, tag=tag)
+            if f"drain_{tag}" in want and backlog:
+                r = drain(ctx, worker, broker, backlog, f"drain_{tag}")
+                if r is not None:
+                    out[f"drain_{tag}"] = r
+            if tag == "prefork" and "latency" in want:
+                out.update(measure_latency(ctx, worker, broker, name, run))
+        finally:
+            if worker is not None:
+                worker.stop()
+                if worker.killed:
+                    ctx.notes.append(
+                        f"{broker.name}: the {pool} worker did not exit within 5s of "
+                        "SIGTERM and was killed"
+                    )
+            delete_queue(broker, name)
+    return out
+
+
+def describe_trace(trace: list[tuple[float, str, bytes]], seconds: float) -> str:
+    """Executed statements by their first line, per minute, from a proxy trace."""
+    import re
+    from collections import Counter
+
+    names: dict[bytes, str] = {}
+    counts: Counter[str] = Counter()
+
+    def label(query: bytes) -> str:
+        text = query.decode(errors="replace").strip()
+        first = text.splitlines()[0] if text else "?"
+        return re.sub(r"\s+", " ", first)[:60]
+
+    for _, kind, payload in trace:
+        if kind == "P":
+            name, _, rest = payload.partition(b"\0")
+            names[name] = label(rest.split(b"\0")[0])
+        elif kind == "B":
+            _, _, rest = payload.partition(b"\0")
+            stmt = rest.split(b"\0")[0]
+            counts[names.get(stmt, "?")] += 1
+        elif kind == "Q":
+            counts[label(payload.rstrip(b"\0"))] += 1
+    per_min = 60.0 / seconds if seconds else 0.0
+    return "; ".join(f"{n * per_min:.0f} x {name!r}" for name, n in counts.most_common(8)) or "none"
+
+
+def bench_idle(ctx: Ctx, brokers: list[Broker], run: int) -> dict[str, dict[str, float]]:
+    """Idle prefork -c 2 workers of the PostgreSQL brokers, side by side, each behind its
+    own counting proxy (idle workers only wake on timers, so they do not disturb each other)."""
+    setups = []
     try:
-        worker.wait_ready()
+        for broker in brokers:
+            name = ctx.queue(broker, f"i{run}")
+            declare(broker, name)
+            proxy = CountingProxy(PG_HOSTPORT)
+            worker = Worker(
+                ctx, broker, name, "prefork", 2, url=broker.url_via(proxy.port), tag="idle"
+            )
+            setups.append((broker, name, proxy, worker))
+        for _, _, _, worker in setups:
+            worker.wait_ready()
         time.sleep(ctx.sizes["idle_settle"])
-        a = proxy.snapshot()
+        before = [proxy.snapshot() for _, _, proxy, _ in setups]
+        for _, _, proxy, _ in setups:
+            proxy.trace = []
         t0 = time.monotonic()
         time.sleep(ctx.sizes["idle_window"])
-        b = proxy.snapshot()
+        after = [proxy.snapshot() for _, _, proxy, _ in setups]
         dt = time.monotonic() - t0
-        return {
-            "idle_stmts": (b["statements"] - a["statements"]) / dt,
-            "idle_trips": (b["round_trips"] - a["round_trips"]) / dt,
-            "idle_conns": float(b["open_connections"]),
-        }
+        if run == 0:
+            for broker, _, proxy, _ in setups:
+                ctx.notes.append(
+                    f"{broker.name}: idle worker statements by kind, per minute: "
+                    + describe_trace(proxy.trace or [], dt)
+                )
+        out = {}
+        for (broker, _, _, _), a, b in zip(setups, before, after):
+            out[broker.name] = {
+                "idle_stmts": (b["statements"] - a["statements"]) / dt,
+                "idle_trips": (b["round_trips"] - a["round_trips"]) / dt,
+                "idle_conns": float(b["open_connections"]),
+            }
+        return out
     finally:
-        worker.stop()
-        proxy.close()
-        delete_queue(broker, name)
+        for broker, name, proxy, worker in setups:
+            worker.stop()
+            proxy.close()
+            delete_queue(broker, name)
 
 
 # -- pgqueue only ------------------------------------------------------------------
@@ -555,14 +719,17 @@ def _copy_rows(conn: psycopg.Connection, schema: str, queue: str, n: int) -> flo
     """COPY n small ready messages into queue; return rows/s."""
     body = "\\\\x" + (json.dumps(SMALL_BODY).encode().hex())
     headers = '{"id": "x"}'
-    props = '{"delivery_info": {"exchange": "", "routing_key": "%s"}, "body_encoding": "utf-8"}' % queue
+    props = json.dumps(
+        {"delivery_info": {"exchange": "", "routing_key": queue}, "body_encoding": "utf-8"}
+    )
     line = f"{queue}\t{body}\tapplication/json\tutf-8\t{headers}\t{props}\n"
     chunk_rows = 10_000
     chunk = (line * chunk_rows).encode()
     t0 = time.perf_counter()
     with conn.cursor() as cur:
         stmt = psycopg.sql.SQL(
-            "COPY {}.message (queue, body, content_type, content_encoding, headers, properties) FROM STDIN"
+            "COPY {}.message (queue, body, content_type, content_encoding, headers, properties) "
+            "FROM STDIN"
         ).format(psycopg.sql.Identifier(schema))
         with cur.copy(stmt) as copy:
             left = n
@@ -578,8 +745,9 @@ def _store(broker: Broker):  # noqa: ANN202
     from kombu_pgqueue._store import Store
 
     options = parse_options(broker.options)
-    conninfo = build_conninfo(hostname="127.0.0.1", port=5432, userid="postgres", password=None,
-                              virtual_host="test")
+    conninfo = build_conninfo(
+        hostname="127.0.0.1", port=5432, userid="postgres", password=None, virtual_host="test"
+    )
     store = Store(conninfo, options)
     store.open()
     return store
@@ -612,17 +780,22 @@ def bench_claim(ctx: Ctx, broker: Broker) -> dict[str, list[float]]:
     deep_n, reps = ctx.sizes["deep_n"], ctx.sizes["claim_reps"]
     schema = broker.options["schema"]
     store = _store(broker)
-    out: dict[str, list[float]] = {k: [] for k in
-                                   ("claim1_shallow", "claim1_deep", "claim100_shallow", "claim100_deep")}
+    out: dict[str, list[float]] = {
+        k: [] for k in ("claim1_shallow", "claim1_deep", "claim100_shallow", "claim100_deep")
+    }
     with psycopg.connect(PG_DSN, autocommit=True) as conn:
         log(f"  pgqueue: COPY {deep_n:,} messages into {schema}.message (deep backlog)")
         rate = _copy_rows(conn, schema, "deep", deep_n)
         log(f"  pgqueue: loaded at {rate:,.0f} rows/s; VACUUM ANALYZE")
-        conn.execute(psycopg.sql.SQL("VACUUM ANALYZE {}.message").format(psycopg.sql.Identifier(schema)))
+        conn.execute(
+            psycopg.sql.SQL("VACUUM ANALYZE {}.message").format(psycopg.sql.Identifier(schema))
+        )
         for r in range(ctx.runs):
             shallow = f"shallow{r}"
             _copy_rows(conn, schema, shallow, 10_000)
-            conn.execute(psycopg.sql.SQL("ANALYZE {}.message").format(psycopg.sql.Identifier(schema)))
+            conn.execute(
+                psycopg.sql.SQL("ANALYZE {}.message").format(psycopg.sql.Identifier(schema))
+            )
             _claim_cost(store, shallow, 1, 10)  # warm-up, prepares the statements
             _claim_cost(store, "deep", 1, 10)
             out["claim1_shallow"].append(_claim_cost(store, shallow, 1, reps))
@@ -632,14 +805,55 @@ def bench_claim(ctx: Ctx, broker: Broker) -> dict[str, list[float]]:
             store.delete_queue(shallow)
         # churn: 50k claims+acks from the head of the deep queue leave dead index entries
         # in front of the live ones until (auto)vacuum runs
-        conn.execute(psycopg.sql.SQL("ALTER TABLE {}.message SET (autovacuum_enabled = off)")
-                     .format(psycopg.sql.Identifier(schema)))
+        conn.execute(
+            psycopg.sql.SQL("ALTER TABLE {}.message SET (autovacuum_enabled = off)").format(
+                psycopg.sql.Identifier(schema)
+            )
+        )
         try:
-            _claim_cost(store, "deep", 100, 500)
+            _claim_cost(store, "deep", 100, ctx.sizes["churn_n"] // 100)
             out["claim1_churned"] = [_claim_cost(store, "deep", 1, reps) for _ in range(ctx.runs)]
+            holder = conn.execute(
+                "SELECT pid, application_name, state, "
+                "greatest(age(backend_xmin), age(backend_xid)), "
+                "now() - xact_start, left(regexp_replace(query, '\\s+', ' ', 'g'), 60) "
+                "FROM pg_stat_activity WHERE datname = current_database() "
+                "AND pid <> pg_backend_pid() "
+                "AND (backend_xmin IS NOT NULL OR backend_xid IS NOT NULL) "
+                "ORDER BY 4 DESC NULLS LAST LIMIT 1"
+            ).fetchone()
+            ctx.notes.append(
+                "pgqueue: churn measured with autovacuum off for the table; oldest snapshot in the "
+                + (
+                    "database then: none"
+                    if not holder
+                    else f"database then: {holder[3]} xids old, pid {holder[0]} "
+                    f"({holder[1] or 'no app name'}, "
+                    f"{holder[2]}, transaction open {holder[4]}, {holder[5]!r})"
+                )
+            )
+            said: list[str] = []
+            conn.add_notice_handler(lambda diag: said.append(diag.message_primary or ""))
+            conn.execute(
+                psycopg.sql.SQL("VACUUM (VERBOSE) {}.message").format(
+                    psycopg.sql.Identifier(schema)
+                )
+            )
+            detail = [
+                line.strip()
+                for text in said
+                for line in text.splitlines()
+                if "removable" in line or "tuples:" in line
+            ]
+            if detail:
+                ctx.notes.append("pgqueue: VACUUM after churn said: " + "; ".join(detail[:2]))
+            out["claim1_vacuumed"] = [_claim_cost(store, "deep", 1, reps) for _ in range(ctx.runs)]
         finally:
-            conn.execute(psycopg.sql.SQL("ALTER TABLE {}.message RESET (autovacuum_enabled)")
-                         .format(psycopg.sql.Identifier(schema)))
+            conn.execute(
+                psycopg.sql.SQL("ALTER TABLE {}.message RESET (autovacuum_enabled)").format(
+                    psycopg.sql.Identifier(schema)
+                )
+            )
         store.delete_queue("deep")
     return out
 
@@ -654,9 +868,14 @@ def bench_bulk(ctx: Ctx, broker: Broker, run: int) -> dict[str, float]:
     body = json.dumps(SMALL_BODY).encode()
     queue = f"bulk{run}"
     msgs = [
-        Outgoing(queue=queue, body=body, headers='{"id": "x"}',
-                 properties='{"delivery_info": {"exchange": "", "routing_key": "bulk"}}',
-                 content_type="application/json", content_encoding="utf-8")
+        Outgoing(
+            queue=queue,
+            body=body,
+            headers='{"id": "x"}',
+            properties='{"delivery_info": {"exchange": "", "routing_key": "bulk"}}',
+            content_type="application/json",
+            content_encoding="utf-8",
+        )
         for _ in range(1000)
     ]
     store.publish_many(msgs[:10])
@@ -676,13 +895,21 @@ def bench_bulk(ctx: Ctx, broker: Broker, run: int) -> dict[str, float]:
 # -- ETA tasks and worker memory -----------------------------------------------------
 
 
+def queue_size(broker: Broker, name: str) -> int:
+    """Messages waiting in the broker's queue (for pgqueue: delayed ones included)."""
+    with Connection(broker.url, transport_options=broker.options) as conn:
+        try:
+            return int(kombu_queue(name)(conn.channel()).queue_declare(passive=True).message_count)
+        except Exception:  # noqa: BLE001 - Redis forgets an empty queue
+            return 0
+
+
 def bench_eta_rss(ctx: Ctx, broker: Broker) -> dict[str, list[float]]:
     """Worker RSS with an empty queue, then with eta_n tasks due tomorrow (one run)."""
     if broker.name == "sqla":
-        ctx.notes.append("sqla: ETA/RSS figure skipped (publishing 100k tasks at ~400/s "
-                         "would take minutes)")
+        ctx.notes.append("sqla: ETA/RSS figure skipped (publishing at ~150 tasks/s takes too long)")
         return {}
-    n = ctx.sizes["eta_n"]
+    n, cap = ctx.sizes["eta_n"], ctx.sizes["eta_settle_cap"]
     name = ctx.queue(broker, "eta")
     declare(broker, name)
     worker = Worker(ctx, broker, name, "prefork", 2, tag="eta")
@@ -697,18 +924,33 @@ def bench_eta_rss(ctx: Ctx, broker: Broker) -> dict[str, list[float]]:
             for _ in range(n):
                 noop.apply_async(countdown=86400, producer=producer)
         log(f"  {broker.name}: published {n:,} ETA tasks in {time.perf_counter() - t0:.1f}s")
-        # wait for the worker to settle: RSS unchanged (within 1 MB) for 5 s, at most 90 s
-        stable_since, last = time.monotonic(), worker.rss_mb()
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline and time.monotonic() - stable_since < 5:
+        # settle: until the broker has handed every ETA task to the worker and RSS is flat
+        # for 5 s, or nothing changed for 10 s, at most eta_settle_cap seconds
+        deadline = time.monotonic() + cap
+        last_rss, last_size = worker.rss_mb(), queue_size(broker, name)
+        rss_since = size_since = time.monotonic()
+        while time.monotonic() < deadline:
             time.sleep(1.0)
-            now = worker.rss_mb()
-            if abs(now - last) > 1.0:
-                stable_since, last = time.monotonic(), now
+            rss, size = worker.rss_mb(), queue_size(broker, name)
+            now = time.monotonic()
+            if abs(rss - last_rss) > 1.0:
+                last_rss, rss_since = rss, now
+            if size != last_size:
+                last_size, size_since = size, now
+            if size == 0 and now - rss_since >= 5:
+                break
+            if now - rss_since >= 10 and now - size_since >= 10:
+                break
         full = worker.rss_mb()
+        held = n - queue_size(broker, name)
         if worker.proc.poll() is not None:
             ctx.problem(broker.name, "rss_eta", f"worker died:\n{worker.log_tail()}")
-        return {"rss_empty": [empty], "rss_eta": [full]}
+        if held < n and broker.name != "pgqueue":
+            ctx.notes.append(
+                f"{broker.name}: after {cap:.0f}s the worker had taken {held:,} of {n:,} "
+                "ETA tasks (it would keep taking them)"
+            )
+        return {"rss_empty": [empty], "rss_eta": [full], "eta_held": [float(held)]}
     finally:
         worker.stop()
         app.close()
@@ -725,9 +967,16 @@ GROUP_FIGURES = {
     "drain": ["drain_prefork", "drain_threads"],
     "latency": ["latency_p50", "latency_p95", "latency_p99"],
     "idle": ["idle_stmts", "idle_trips", "idle_conns"],
-    "claim": ["claim1_shallow", "claim1_deep", "claim100_shallow", "claim100_deep", "claim1_churned"],
+    "claim": [
+        "claim1_shallow",
+        "claim1_deep",
+        "claim100_shallow",
+        "claim100_deep",
+        "claim1_churned",
+        "claim1_vacuumed",
+    ],
     "bulk": ["bulk_publish_many", "bulk_copy"],
-    "eta_rss": ["rss_empty", "rss_eta"],
+    "eta_rss": ["rss_empty", "rss_eta", "eta_held"],
 }
 #: figures that only exist for some brokers
 ONLY_FOR = {
@@ -749,10 +998,21 @@ def run_all(ctx: Ctx, groups: list[str]) -> dict[str, dict[str, list[float]]]:
 
     def guarded(broker: Broker, label: str, fn: Callable[[], dict[str, Any]]) -> None:
         t0 = time.monotonic()
+        # a step that hangs prints every thread's stack (then goes on waiting)
+        faulthandler.dump_traceback_later(STEP_WATCHDOG, repeat=True)
         try:
             record(broker, fn())
         except Exception as exc:  # noqa: BLE001
-            ctx.problem(broker.name, label, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+            ctx.problem(
+                broker.name, label, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+            )
+        finally:
+            faulthandler.cancel_dump_traceback_later()
+            if broker.name == "sqla":
+                # Kombu's SQLAlchemy channel leaves its session idle in a transaction that
+                # holds back the database's xmin horizon (no dead row anywhere in the
+                # database, pgqueue's included, could be vacuumed): end it after each step
+                close_sqla_sessions()
         log(f"  {broker.name:8s} {label:14s} {time.monotonic() - t0:6.1f}s")
 
     celery_want = set()
@@ -760,20 +1020,38 @@ def run_all(ctx: Ctx, groups: list[str]) -> dict[str, dict[str, list[float]]]:
         celery_want.add("celery_publish")
     if "drain" in groups:
         celery_want.update(("drain_prefork", "drain_threads"))
+    if "latency" in groups:
+        celery_want.add("latency")
     for run in range(ctx.runs):
         log(f"run {run + 1}/{ctx.runs}")
         for b in live:
             if "kombu" in groups:
-                guarded(b, "kombu", lambda b=b: bench_kombu(ctx, b, run))
+                guarded(b, "kombu", lambda b=b, run=run: bench_kombu(ctx, b, run))
             if celery_want:
-                guarded(b, "celery", lambda b=b: bench_celery(ctx, b, run, celery_want))
-            if "latency" in groups:
-                guarded(b, "latency", lambda b=b: bench_latency(ctx, b, run))
-            if "idle" in groups and b.name in ONLY_FOR["idle"]:
-                guarded(b, "idle", lambda b=b: bench_idle(ctx, b, run))
+                guarded(
+                    b,
+                    "celery+latency",
+                    lambda b=b, run=run: bench_celery(ctx, b, run, celery_want),
+                )
             if "bulk" in groups and b.name in ONLY_FOR["bulk"]:
-                guarded(b, "bulk", lambda b=b: bench_bulk(ctx, b, run))
-    if "claim" in groups and ctx.brokers["pgqueue"].available:
+                guarded(b, "bulk", lambda b=b, run=run: bench_bulk(ctx, b, run))
+        idle = [b for b in live if b.name in ONLY_FOR["idle"]]
+        if "idle" in groups and idle:
+            t0 = time.monotonic()
+            try:
+                for name, values in bench_idle(ctx, idle, run).items():
+                    record(ctx.brokers[name], values)
+            except Exception as exc:  # noqa: BLE001
+                ctx.problem(
+                    ",".join(b.name for b in idle),
+                    "idle",
+                    f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}",
+                )
+            finally:
+                if any(b.name == "sqla" for b in idle):
+                    close_sqla_sessions()
+            log(f"  {'+'.join(b.name for b in idle):8s} idle {time.monotonic() - t0:6.1f}s")
+    if "claim" in groups and "pgqueue" in ctx.brokers and ctx.brokers["pgqueue"].available:
         log("claim cost (loaded once, measured --runs times)")
         guarded(ctx.brokers["pgqueue"], "claim", lambda: bench_claim(ctx, ctx.brokers["pgqueue"]))
     if "eta_rss" in groups:
@@ -784,6 +1062,41 @@ def run_all(ctx: Ctx, groups: list[str]) -> dict[str, dict[str, list[float]]]:
 
 
 # -- cleanup -----------------------------------------------------------------------------
+
+
+def close_sqla_sessions() -> None:
+    import gc
+
+    from kombu.transport.sqlalchemy import Channel as SqlaChannel
+    from sqlalchemy.orm import Session
+
+    for obj in gc.get_objects():
+        if isinstance(obj, Session):
+            try:
+                obj.close()
+            except Exception:  # noqa: BLE001,S110
+                pass
+    for engine, _ in list(SqlaChannel._engines.values()):
+        engine.dispose()
+    SqlaChannel._engines.clear()
+
+
+def drop_schema(schema: str) -> None:
+    """Drop one of this run's schemas, ending this run's sessions that still lock its tables."""
+    with psycopg.connect(PG_DSN, autocommit=True) as conn:
+        conn.execute(
+            "SELECT pg_terminate_backend(l.pid) FROM pg_locks AS l "
+            "JOIN pg_class AS c ON c.oid = l.relation "
+            "JOIN pg_namespace AS n ON n.oid = c.relnamespace "
+            "WHERE n.nspname = %s AND l.pid <> pg_backend_pid()",
+            (schema,),
+        )
+        conn.execute("SET lock_timeout = '20s'")
+        conn.execute(
+            psycopg.sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(
+                psycopg.sql.Identifier(schema)
+            )
+        )
 
 
 def cleanup(ctx: Ctx) -> None:
@@ -822,22 +1135,21 @@ def cleanup(ctx: Ctx) -> None:
                         for member in r.smembers(key):
                             if prefix.encode() in member:
                                 r.srem(key, member)
-                for key in (b"unacked", b"unacked_index"):
-                    if r.type(key) == b"hash":
-                        for field_, val in r.hscan_iter(key):
-                            if prefix.encode() in val:
-                                r.hdel(key, field_)
-                    elif r.type(key) == b"zset":
-                        pass
+                # binding deadlines of exchanges whose bindings are all gone now
+                for member in r.zrange(b"_kombu.binding_deadlines", 0, -1):
+                    if not r.exists(b"_kombu.binding." + member):
+                        r.zrem(b"_kombu.binding_deadlines", member)
+                for field_, val in list(r.hscan_iter(b"unacked")):
+                    if prefix.encode() in val:
+                        r.hdel(b"unacked", field_)
+                        r.zrem(b"unacked_index", field_)
             elif name == "pgqueue":
-                with psycopg.connect(PG_DSN, autocommit=True) as conn:
-                    conn.execute(psycopg.sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE")
-                                 .format(psycopg.sql.Identifier(broker.options["schema"])))
+                drop_schema(broker.options["schema"])
             elif name == "sqla":
-                with psycopg.connect(PG_DSN, autocommit=True) as conn:
-                    for t in (broker.options["message_tablename"], broker.options["queue_tablename"]):
-                        conn.execute(psycopg.sql.SQL("DROP TABLE IF EXISTS {} CASCADE")
-                                     .format(psycopg.sql.Identifier(t)))
+                # Kombu's SQLAlchemy channel never closes its session, which stays idle
+                # in a transaction (queue_declare's SELECT count(*)) and would block the DROP
+                close_sqla_sessions()
+                drop_schema(f"{prefix}_sqla")
         except Exception as exc:  # noqa: BLE001
             log(f"warning: cleanup of {name} failed: {exc!r}")
 
@@ -864,7 +1176,9 @@ def cell(vals: list[float] | None) -> str:
     return f"{fmt(med)} [{fmt(min(vals))}-{fmt(max(vals))}]"
 
 
-def build_table(ctx: Ctx, results: dict[str, dict[str, list[float]]], groups: list[str]) -> list[list[str]]:
+def build_table(
+    ctx: Ctx, results: dict[str, dict[str, list[float]]], groups: list[str]
+) -> list[list[str]]:
     names = list(ctx.brokers)
     peers = [n for n in names if n != "pgqueue"]
     header = ["figure", "unit", "better"] + names + [f"pg/{p}" for p in peers]
@@ -872,6 +1186,7 @@ def build_table(ctx: Ctx, results: dict[str, dict[str, list[float]]], groups: li
     for group in groups:
         for key in GROUP_FIGURES[group]:
             label, unit, better = FIGURES[key]
+            label = label.replace("churn_n", f"{ctx.sizes['churn_n'] // 1000}k")
             row = [label, unit, better]
             per = results.get(key, {})
             for n in names:
@@ -881,7 +1196,9 @@ def build_table(ctx: Ctx, results: dict[str, dict[str, list[float]]], groups: li
                 elif group in ONLY_FOR and n not in ONLY_FOR[group]:
                     row.append("n/a")
                 elif not per.get(n):
-                    row.append("FAILED" if group not in ("claim", "bulk") or n == "pgqueue" else "n/a")
+                    row.append(
+                        "FAILED" if group not in ("claim", "bulk") or n == "pgqueue" else "n/a"
+                    )
                 else:
                     row.append(cell(per[n]))
             pg = per.get("pgqueue")
@@ -899,7 +1216,9 @@ def render_text(rows: list[list[str]]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = []
     for j, r in enumerate(rows):
-        lines.append("  ".join(c.ljust(widths[i]) if i < 3 else c.rjust(widths[i]) for i, c in enumerate(r)))
+        lines.append(
+            "  ".join(c.ljust(widths[i]) if i < 3 else c.rjust(widths[i]) for i, c in enumerate(r))
+        )
         if j == 0:
             lines.append("  ".join("-" * w for w in widths))
     return "\n".join(lines)
@@ -914,28 +1233,64 @@ def render_markdown(rows: list[list[str]]) -> str:
 METHOD = """\
 Method
 - Every figure: median of --runs runs [min-max]; ratio = pgqueue median / peer median
-  (above 1 is better for pgqueue where "better" is higher, worse where it is lower).
-- Kombu: Producer.publish (default exchange, ~90-byte JSON body) in one process, then a
-  Consumer with prefetch_count=100 drains that backlog, acking each message.
-- Celery publish: apply_async() of a no-op task from one process (json, no results).
-- Celery drain: a backlog of N no-op tasks is published first, then
+  (for "higher" figures above 1 favours pgqueue, for "lower" figures below 1 does).
+  Brokers are interleaved within each run, so background load hits all of them alike.
+- Kombu: Producer.publish (default exchange, ~90-byte JSON body) in one process after 100
+  warm-up messages, then a Consumer with prefetch_count=100 drains that backlog, acking
+  each message. For pgqueue the table is checked to be empty afterwards.
+- Celery publish: apply_async() of a no-op task from one process (json, no results),
+  after 20 warm-up calls. Slow brokers publish what fits in a time cap.
+- Celery drain: that backlog is published first, then
   `python -m celery -A bench_app worker --pool P -c C --without-mingle --without-gossip`
   starts. Worker signal handlers append one line per task (task_prerun time, task_postrun
   time, task id) to a local file with a single O_APPEND write - no network, identical for
-  every broker. Rate = N / (last postrun - first prerun); worker start-up is excluded.
+  every broker. Rate = tasks / (last postrun - first prerun); worker start-up is excluded.
   Every task id must appear (lost tasks are reported), duplicates are reported.
-- Latency: an idle prefork -c 2 worker; the producer sends time.time() as the argument, the
-  task writes its own time.time() at start to the same file; sequential, 20 ms apart,
-  5 warm-up tasks dropped. Includes the apply_async call itself.
-- Idle cost (PostgreSQL brokers only): the idle prefork -c 2 worker connects through a
-  counting proxy (pgproxy.py) that parses the client side of the wire protocol, so only
-  this worker's traffic is counted (pg_stat_statements is not loaded here and
-  pg_stat_database counts every session). Statements = Query + Execute messages; round
-  trips = Query + Sync messages; measured after a settle period, over a fixed window.
-- claim/bulk (pgqueue only): kombu_pgqueue._store.Store called directly against a backlog
-  COPY-loaded into the benchmark schema's message table and VACUUM ANALYZEd.
-- ETA RSS: summed VmRSS of the worker's process group (prefork -c 2) with an empty queue
-  and after apply_async(countdown=86400) of N no-op tasks, once RSS is stable for 5 s."""
+- Latency: the prefork -c 2 worker, once it has drained its backlog and idled 1 s; the
+  producer passes time.time() as the argument, the task appends its own time.time() at
+  start to the same file; sequential, 20 ms apart, 5 warm-up tasks dropped. Includes the
+  apply_async call itself. Slow brokers stop at a time cap (at least a minimum sample).
+- Idle cost (PostgreSQL brokers only): an idle prefork -c 2 worker per broker, side by
+  side, each connected through its own counting proxy (pgproxy.py) that parses the client
+  side of the wire protocol, so only that worker's traffic is counted (pg_stat_statements
+  is not loaded on this server and pg_stat_database counts every session). Statements =
+  Query + Execute messages; round trips = Query + Sync messages; counted over a fixed
+  window after a settle period; connections = server connections open at the end.
+  Statements include BEGIN/COMMIT/SET and, for every broker alike, Celery's worker
+  heartbeat event (a publish every 2 s; the worker runs without --without-heartbeat).
+- claim (pgqueue only): kombu_pgqueue._store.Store.claim + ack (or ack_many) from the head
+  of a queue, mean over many calls, against a backlog COPY-loaded straight into the
+  benchmark schema's message table and VACUUM ANALYZEd; then 50k claims+acks from the
+  head with autovacuum off for the table, measured again, then after a manual VACUUM.
+- bulk (pgqueue only): Store.publish_many in batches of 1000 and COPY into the table.
+- ETA RSS: summed VmRSS of the worker's process group (prefork -c 2) with an empty
+  queue, then after apply_async(countdown=86400) of N no-op tasks once the worker settles
+  (broker queue empty and RSS flat 5 s, or nothing changing for 10 s, or a time cap);
+  "held" = tasks no longer waiting in the broker's queue, i.e. in the worker's memory."""
+
+
+def code_state() -> str:
+    """kombu_pgqueue's commit, and a digest of its uncommitted changes if any."""
+    import hashlib
+
+    try:
+        head = subprocess.run(
+            ["git", "-C", ROOT, "log", "-1", "--format=%h %s"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+        ).stdout.strip()
+        diff = subprocess.run(
+            ["git", "-C", ROOT, "diff", "HEAD", "--", "kombu_pgqueue"],
+            capture_output=True,
+            timeout=5,
+        ).stdout
+        state = f"kombu_pgqueue at {head[:90]}"
+        if diff:
+            state += f" + uncommitted changes (diff {hashlib.sha1(diff).hexdigest()[:8]})"
+        return state
+    except Exception:  # noqa: BLE001
+        return "kombu_pgqueue: git state unknown"
 
 
 def machine_info(ctx: Ctx) -> list[str]:
@@ -944,12 +1299,16 @@ def machine_info(ctx: Ctx) -> list[str]:
     import redis as redis_lib
     import sqlalchemy
 
-    info = [f"command: {' '.join([os.path.basename(sys.executable)] + sys.argv)}",
-            f"date: {time.strftime('%Y-%m-%d %H:%M:%S %Z')}",
-            f"host: {platform.platform()}, nproc={os.cpu_count()}",
-            f"python {platform.python_version()}, celery {celery.__version__}, kombu {kombu.__version__}, "
-            f"redis-py {redis_lib.__version__}, psycopg {psycopg.__version__}, "
-            f"sqlalchemy {sqlalchemy.__version__}"]
+    info = [
+        f"command: {' '.join([os.path.basename(sys.executable)] + sys.argv)}",
+        ctx.code_at_start,
+        f"date: {time.strftime('%Y-%m-%d %H:%M:%S %Z')}",
+        f"host: {platform.platform()}, nproc={os.cpu_count()}",
+        f"python {platform.python_version()}, celery {celery.__version__}, "
+        f"kombu {kombu.__version__}, "
+        f"redis-py {redis_lib.__version__}, psycopg {psycopg.__version__}, "
+        f"sqlalchemy {sqlalchemy.__version__}",
+    ]
     try:
         free = subprocess.run(["free", "-h"], capture_output=True, text=True, timeout=5).stdout
         info.append("memory: " + " ".join(free.splitlines()[1].split()[1:3]) + " (total, used)")
@@ -965,24 +1324,34 @@ def machine_info(ctx: Ctx) -> list[str]:
             info.append("server settings: " + settings)
     except Exception as exc:  # noqa: BLE001
         info.append(f"server: ? ({exc!r})")
-    if ctx.brokers["redis"].available:
+    if "redis" in ctx.brokers and ctx.brokers["redis"].available:
         try:
             r = redis_lib.Redis.from_url(ctx.brokers["redis"].url)
             info.append(f"server: Redis {r.info('server')['redis_version']}")
         except Exception:  # noqa: BLE001,S110
             pass
-    if ctx.brokers["rabbitmq"].version:
+    if "rabbitmq" in ctx.brokers and ctx.brokers["rabbitmq"].version:
         v = ctx.brokers["rabbitmq"].version
         info.append("server: " + (v if isinstance(v, str) else str(v)))
-    info.append("celery settings (all brokers): " + ", ".join(f"{k}={v!r}" for k, v in COMMON_SETTINGS.items()))
+    info.append(
+        "celery settings (all brokers): "
+        + ", ".join(f"{k}={v!r}" for k, v in COMMON_SETTINGS.items())
+    )
     info.append("worker flags (all brokers): " + " ".join(WORKER_FLAGS))
     return info
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--quick", action="store_true", help="smaller sizes (a few minutes)")
-    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument(
+        "--runs",
+        type=int,
+        default=None,
+        help="runs per figure (median, min-max); default 3, or 1 with --quick",
+    )
     parser.add_argument("--only", default="", help="comma-separated: " + ",".join(GROUPS))
     parser.add_argument("--brokers", default="pgqueue,redis,rabbitmq,sqla")
     parser.add_argument("--deep", type=int, default=None, help="deep-backlog size for 'claim'")
@@ -991,6 +1360,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=None, help="also write raw results as JSON here")
     args = parser.parse_args(argv)
 
+    if args.runs is None:
+        args.runs = 1 if args.quick else 3
+    if args.runs < 1:
+        parser.error("--runs must be at least 1")
     groups = [g.strip() for g in args.only.split(",") if g.strip()] or list(GROUPS)
     bad = [g for g in groups if g not in GROUPS]
     if bad:
@@ -1011,7 +1384,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown brokers {unknown}")
     brokers = {n: all_brokers[n] for n in all_brokers if n in wanted}
     tmp = tempfile.mkdtemp(prefix=f"{prefix}-")
-    ctx = Ctx(sizes=sizes, runs=args.runs, prefix=prefix, tmp=tmp, brokers=brokers)
+    ctx = Ctx(
+        sizes=sizes,
+        runs=args.runs,
+        prefix=prefix,
+        tmp=tmp,
+        brokers=brokers,
+        code_at_start=code_state(),
+    )
 
     def on_signal(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt(f"signal {signum}")
@@ -1034,6 +1414,8 @@ def main(argv: list[str] | None = None) -> int:
         cleanup(ctx)
         shutil.rmtree(tmp, ignore_errors=True)
     elapsed = time.monotonic() - started
+    if code_state() != ctx.code_at_start:
+        ctx.notes.append(f"kombu_pgqueue CHANGED during the run: now {code_state()}")
 
     rows = build_table(ctx, results, groups)
     info = machine_info(ctx)
@@ -1061,16 +1443,36 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.markdown:
         with open(args.markdown, "w") as f:
-            f.write("```\n" + "\n".join(info) + f"\nsizes: {sizes}; runs: {args.runs}; "
-                    f"wall time {elapsed / 60:.1f} min\n```\n\n")
+            f.write(
+                "```\n" + "\n".join(info) + f"\nsizes: {sizes}; runs: {args.runs}; "
+                f"wall time {elapsed / 60:.1f} min\n```\n\n"
+            )
             f.write(render_markdown(rows) + "\n\n```\n" + METHOD + "\n```\n")
             if absent or ctx.notes or ctx.problems:
-                f.write("\n" + "\n".join("- " + x for x in absent + list(dict.fromkeys(ctx.notes))
-                                          + ["PROBLEM " + p for p in ctx.problems]) + "\n")
+                f.write(
+                    "\n"
+                    + "\n".join(
+                        "- " + x
+                        for x in absent
+                        + list(dict.fromkeys(ctx.notes))
+                        + ["PROBLEM " + p for p in ctx.problems]
+                    )
+                    + "\n"
+                )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"sizes": sizes, "runs": args.runs, "results": results,
-                       "problems": ctx.problems, "notes": ctx.notes, "info": info}, f, indent=1)
+            json.dump(
+                {
+                    "sizes": sizes,
+                    "runs": args.runs,
+                    "results": results,
+                    "problems": ctx.problems,
+                    "notes": ctx.notes,
+                    "info": info,
+                },
+                f,
+                indent=1,
+            )
     return return_code or (1 if ctx.problems else 0)
 
 
