@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from datetime import datetime
 
 import psycopg
 import pytest
 from kombu import Connection
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 import kombu_pgqueue  # noqa: F401 - registers the pgqueue:// alias
 from kombu_pgqueue import embedded
@@ -87,3 +89,27 @@ def make_connection(broker_base_url: str, transport_options: dict[str, object]):
 @pytest.fixture
 def store(connection: Connection):
     return connection.default_channel.store
+
+
+@pytest.fixture
+def later(db: psycopg.Connection) -> Callable[[float], datetime]:
+    """``later(s)``: the server's now plus ``s`` seconds, read at each call (no sleeping)."""
+
+    def later(seconds: float = 0.0) -> datetime:
+        row = db.execute("SELECT now() + make_interval(secs => %s)", (seconds,)).fetchone()
+        assert row is not None
+        return row[0]
+
+    return later
+
+
+@pytest.fixture
+def url_with(dsn: str) -> Callable[..., str]:
+    """``url_with(user=..., dbname=...)``: the test database's broker URL with fields changed."""
+
+    def url_with(**changes: str) -> str:
+        params = conninfo_to_dict(dsn) if dsn else {}
+        params.update(changes)
+        return embedded.broker_url(make_conninfo(**params))
+
+    return url_with
