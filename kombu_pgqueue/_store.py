@@ -389,7 +389,3 @@ class Store:
     def purge_dead(self, queue: str | None = None) -> int:
         row = self._one("purge_dead", {"queue": queue})
         return int(row[0]) if row else 0
-
-
-def is_connection_error(exc: BaseException) -> bool:
-    return isinstance(exc, (psycopg.OperationalError, psycopg.InterfaceError))

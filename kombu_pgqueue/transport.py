@@ -208,7 +208,8 @@ class Channel(virtual.Channel):
     # bodies are stored as bytea; no base64 on the way
     body_encoding = None
     max_priority = 255
-    from_transport_options = ("deadletter_queue",)
+    # routing is done in SQL, so Kombu's unroutable-message queue has no hook here
+    from_transport_options = ()
 
     def __init__(self, connection: Transport, **kwargs: Any) -> None:
         super().__init__(connection, **kwargs)
@@ -368,9 +369,9 @@ class Channel(virtual.Channel):
         self, message: dict[str, Any], exchange: str, routing_key: str, **kwargs: Any
     ) -> None:
         self._inplace_augment_message(message, exchange, routing_key)
-        check_name("routing key", routing_key or "")
         if exchange:
             check_name("exchange", exchange)
+            check_name("routing key", routing_key or "")
             self.store.publish_routed(exchange, routing_key or "", self._outgoing("", message))
         else:
             self._put(routing_key, message)
@@ -399,11 +400,6 @@ class Channel(virtual.Channel):
                 queue,
                 outgoing.dedup_key,
             )
-
-    def _put_fanout(
-        self, exchange: str, message: dict[str, Any], routing_key: str, **kwargs: Any
-    ) -> None:
-        self.store.publish_routed(exchange, routing_key or "", self._outgoing("", message))
 
     # -- consuming -----------------------------------------------------------------
 
@@ -516,7 +512,6 @@ class Transport(virtual.Transport):
         psycopg.OperationalError,
         psycopg.InterfaceError,
     )
-    channel_errors = virtual.Transport.channel_errors
 
     def __init__(self, client: Any, **kwargs: Any) -> None:
         self.options = parse_options(client.transport_options)
