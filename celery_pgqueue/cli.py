@@ -194,7 +194,14 @@ def dead_requeue(
         if everything:
             ids = [d.id for d in store.dead_letters(queue, 2**31 - 1)]
         queues_hit = store.requeue_dead(ids)
-    click.echo(f"requeued {len(ids)} dead letters into {', '.join(queues_hit) or 'no queue'}")
+        # a letter whose dedup key a live message holds stays dead rather than run twice
+        asked = set(ids)
+        stayed = [d.id for d in store.dead_letters(queue, 2**31 - 1) if d.id in asked]
+    done = len(ids) - len(stayed)
+    line = f"requeued {done} dead letters into {', '.join(queues_hit) or 'no queue'}"
+    if stayed:
+        line += f"; {len(stayed)} stayed dead, their dedup key is taken: {stayed}"
+    click.echo(line)
 
 
 @dead.command("purge")
