@@ -10,6 +10,7 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 
+from . import _counters
 from ._store import Store
 
 logger = logging.getLogger(__name__)
@@ -43,6 +44,8 @@ class LeaseKeeper:
         kept = self.store.renew(ids, leases)
         self.renewals += len(kept)
         lost = len(held) - len(kept)
+        _counters.add("renewed", amount=len(kept))
+        _counters.add("lost_leases", amount=lost)
         if lost:
             # acked meanwhile, or the lease lapsed and another consumer has it
             logger.debug("pgqueue: %d of %d leases were no longer ours", lost, len(held))

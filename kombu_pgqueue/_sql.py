@@ -16,19 +16,25 @@ from psycopg import sql
 _HEADER = re.compile(r"^-- name: (?P<name>\w+) :(?P<kind>one|many|none)\s*$", re.MULTILINE)
 
 
-def _read(name: str) -> str:
-    return resources.files(__package__).joinpath("sql", name).read_text(encoding="utf-8")
-
-
 @cache
 def raw_queries() -> dict[str, str]:
-    """Return ``{name: statement text}`` with ``{schema}`` still in place."""
-    text = _read("queries.sql")
-    headers = list(_HEADER.finditer(text))
+    """Return ``{name: statement text}`` with ``{schema}`` still in place.
+
+    Every ``sql/*.sql`` file holds named statements (``queries.sql`` the runtime ones,
+    ``monitoring.sql`` the operators'); a name may appear once in all of them.
+    """
+    folder = resources.files(__package__).joinpath("sql")
     found: dict[str, str] = {}
-    for header, following in zip(headers, headers[1:] + [None]):
-        end = following.start() if following else len(text)
-        found[header["name"]] = text[header.end() : end].strip()
+    for entry in sorted(folder.iterdir(), key=lambda e: e.name):
+        if not entry.name.endswith(".sql"):
+            continue
+        text = entry.read_text(encoding="utf-8")
+        headers = list(_HEADER.finditer(text))
+        for header, following in zip(headers, headers[1:] + [None]):
+            end = following.start() if following else len(text)
+            if header["name"] in found:
+                raise RuntimeError(f"query {header['name']!r} is named twice ({entry.name})")
+            found[header["name"]] = text[header.end() : end].strip()
     return found
 
 

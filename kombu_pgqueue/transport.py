@@ -94,6 +94,7 @@ from kombu.transport.virtual.base import Empty
 from kombu.utils.json import dumps, loads
 from kombu.utils.objects import cached_property
 
+from . import _counters
 from ._acks import AckBatcher
 from ._leases import LeaseKeeper
 from ._listener import Listener, Wakeups
@@ -165,6 +166,7 @@ class QoS(virtual.QoS):
 
     def ack(self, delivery_tag: str) -> None:
         message_id, lease = _parse_tag(delivery_tag)
+        _counters.add("acked")
         acks = self.channel.connection.acks
         if acks is not None:
             acks.add(message_id, lease)
@@ -179,8 +181,10 @@ class QoS(virtual.QoS):
         message_id, lease = _parse_tag(delivery_tag)
         if requeue:
             self.channel.store.requeue(message_id, lease)
+            _counters.add("requeued")
         else:
             self.channel.store.bury(message_id, lease, "rejected")
+            _counters.add("rejected")
         self._quick_ack(delivery_tag)
 
     def restore_unacked(self) -> list[Any]:
@@ -452,7 +456,11 @@ class Channel(virtual.Channel):
         if queue in self._noack_queues:
             return [self._payload(row, queue, 0) for row in self.store.take(queue, limit)]
         lease = new_lease()
-        return [self._payload(row, queue, lease) for row in self.store.claim(queue, limit, lease)]
+        rows = self.store.claim(queue, limit, lease)
+        if rows:
+            _counters.add("claimed", queue, len(rows))
+            _counters.add("redelivered", queue, sum(row.attempts > 1 for row in rows))
+        return [self._payload(row, queue, lease) for row in rows]
 
     def _payload(self, row: Delivered, queue: str, lease: int) -> dict[str, Any]:
         properties = loads(row.properties)

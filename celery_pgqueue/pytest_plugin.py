@@ -1,0 +1,1 @@
+"""pytest plugin: a throwaway pgqueue broker for a user's own test suite (being written)."""

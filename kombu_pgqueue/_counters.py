@@ -1,0 +1,41 @@
+"""Process-wide event counters, read by monitoring (``celery_pgqueue.metrics``).
+
+Plain integers under a lock: the consuming thread, the ack batcher and the lease
+keeper all count here. Counting costs a dict update per batch, never a query.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+
+#: The events counted, each by queue ("" where the queue is not known).
+EVENTS = (
+    "claimed",  # messages handed out by a claim
+    "redelivered",  # of those, deliveries after the first (attempts > 1)
+    "acked",  # acks sent (batched acks count when queued)
+    "requeued",  # rejected with requeue=True
+    "rejected",  # rejected without requeue: moved to the dead letters
+    "renewed",  # lease renewals that kept the lease
+    "lost_leases",  # renewals that found the lease gone (acked meanwhile, or lapsed)
+)
+
+_lock = threading.Lock()
+_counts: Counter[tuple[str, str]] = Counter()
+
+
+def add(event: str, queue: str = "", amount: int = 1) -> None:
+    if amount:
+        with _lock:
+            _counts[(event, queue)] += amount
+
+
+def snapshot() -> dict[tuple[str, str], int]:
+    """``{(event, queue): count}`` since the process started."""
+    with _lock:
+        return dict(_counts)
+
+
+def reset() -> None:
+    with _lock:
+        _counts.clear()
