@@ -121,7 +121,8 @@ def main() -> int:
     import psycopg
     from psycopg import sql
 
-    from celery_pgqueue.spark import _arrow_available, enqueue_dataframe
+    from celery_pgqueue.spark import enqueue_dataframe
+    from celery_pgqueue.spark._driver import _arrow_available
     from kombu_pgqueue import embedded
 
     if opts.embedded:

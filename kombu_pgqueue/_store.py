@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import secrets
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
@@ -99,6 +99,55 @@ _RELAXED = frozenset({"claim", "ack", "ack_many", "requeue", "release", "bury", 
 
 #: statements that go through an enlisted application transaction, if there is one
 _PUBLISHES = frozenset({"publish", "publish_many", "publish_routed"})
+
+
+#: The staging table's columns in COPY order, and their types for binary COPY.
+STAGING_COLUMNS = (
+    ("queue", "text"),
+    ("priority", "int2"),
+    ("eta", "timestamptz"),
+    ("expires_at", "timestamptz"),
+    ("dedup_key", "text"),
+    ("body", "bytea"),
+    ("content_type", "text"),
+    ("content_encoding", "text"),
+    ("headers", "text"),
+    ("properties", "text"),
+)
+
+
+def load_staged(
+    conn: psycopg.Connection,
+    schema: str,
+    channel: str,
+    rows: Iterable[Sequence[Any]],
+    *,
+    ordered: bool = True,
+    binary: bool = False,
+) -> int:
+    """COPY ``rows`` (in :data:`STAGING_COLUMNS` order) into the queue in one transaction.
+
+    Dedup keys already waiting or running are skipped (COPY alone cannot skip them, so
+    the rows go through a session staging table); consumers get one NOTIFY per queue at
+    commit. Returns how many rows were inserted. ``ordered=False`` lets the ids follow
+    any order (cheaper for large loads); ``binary`` needs values of exactly the staging
+    types (aware datetimes, ints within int2). For connections the caller opened itself,
+    such as a Spark executor's: the broker's own publishes use :meth:`Store.publish_many`.
+    """
+    statements = _sql.queries(schema)
+    with conn.transaction():
+        conn.execute(statements["create_staging"])
+        copy_name = "copy_staging_binary" if binary else "copy_staging"
+        with conn.cursor().copy(statements[copy_name]) as copy:
+            if binary:
+                copy.set_types([kind for _, kind in STAGING_COLUMNS])
+            write = copy.write_row
+            for row in rows:
+                write(row)
+        found = conn.execute(
+            statements["publish_staged"], {"channel": channel, "ordered": ordered}
+        ).fetchall()
+    return int(found[0][0]) if found else 0
 
 
 def new_lease() -> int:
@@ -207,29 +256,13 @@ class Store:
         return int(rows[0][0]) if rows else 0
 
     def _publish_copy(self, messages: Sequence[Outgoing]) -> int:
+        rows = (
+            (m.queue, m.priority, m.eta, m.expires_at, m.dedup_key, m.body)
+            + (m.content_type, m.content_encoding, m.headers, m.properties)
+            for m in messages
+        )
         with self._translated("publish_many"), self.pool.connection() as conn:
-            with conn.transaction():
-                conn.execute(self._q["create_staging"])
-                with conn.cursor().copy(self._q["copy_staging"]) as copy:
-                    for m in messages:
-                        copy.write_row(
-                            (
-                                m.queue,
-                                m.priority,
-                                m.eta,
-                                m.expires_at,
-                                m.dedup_key,
-                                m.body,
-                                m.content_type,
-                                m.content_encoding,
-                                m.headers,
-                                m.properties,
-                            )
-                        )
-                rows = conn.execute(
-                    self._q["publish_staged"], {"channel": self.options.channel}
-                ).fetchall()
-        return int(rows[0][0]) if rows else 0
+            return load_staged(conn, self.options.schema, self.options.channel, rows)
 
     def publish_routed(self, exchange: str, routing_key: str, message: Outgoing) -> list[str]:
         """Route through the shared bindings of ``exchange``; return the queues reached."""

@@ -21,7 +21,6 @@ from celery import Celery
 from celery.contrib.testing.worker import start_worker
 from psycopg import sql
 
-from celery_pgqueue import spark as pipeline
 from celery_pgqueue.messages import TaskMessageFactory
 from celery_pgqueue.spark import (
     PartitionFailure,
@@ -29,6 +28,7 @@ from celery_pgqueue.spark import (
     enqueue_dataframe,
     queue_stats_dataframe,
 )
+from celery_pgqueue.spark import _messages as pipeline
 from kombu_pgqueue import migrations
 from kombu_pgqueue._options import parse_options
 from kombu_pgqueue._store import Store
