@@ -213,14 +213,11 @@ class Store:
             if enlisted is not None:
                 with self._translated(name):
                     return enlisted.rows(self.schema, self._q[name], params)
+        if name in _RELAXED:
+            # the statement itself turns synchronous_commit off for its own commit
+            params["synchronous_commit"] = "off" if self.options.relax_consumer_commits else None
         with self._translated(name), self.pool.connection() as conn:
-            if name in _RELAXED and self.options.relax_consumer_commits:
-                # one round trip: BEGIN, SET LOCAL, the statement, COMMIT
-                with conn.pipeline(), conn.transaction():
-                    conn.execute(self._q["relax_commit"])
-                    cur = conn.execute(self._q[name], params)
-            else:
-                cur = conn.execute(self._q[name], params)
+            cur = conn.execute(self._q[name], params)
             return cur.fetchall() if cur.description else []
 
     def _one(self, name: str, params: dict[str, Any]) -> tuple[Any, ...] | None:

@@ -168,6 +168,11 @@ WITH candidate AS MATERIALIZED (
       AND NOT delayed
       AND next_iteration <= coalesce(%(now)s::timestamptz, now())
       AND (expires_at IS NULL OR expires_at > coalesce(%(now)s::timestamptz, now()))
+      -- relax_consumer_commits: 'off' here spares this commit the WAL flush wait; a crash
+      -- can then forget it, which only delivers a message again (NULL: the server's setting)
+      AND (SELECT set_config('synchronous_commit',
+                             coalesce(%(synchronous_commit)s, current_setting('synchronous_commit')),
+                             true)) IS NOT NULL
     ORDER BY priority DESC, id
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
@@ -232,6 +237,11 @@ RETURNING m.id, m.priority, m.attempts + 1, m.body, m.content_type,
 DELETE FROM {schema}.message
 WHERE id = %(id)s
   AND lease = %(lease)s
+  -- relax_consumer_commits: 'off' here spares this commit the WAL flush wait; a crash
+  -- can then forget it, which only delivers a message again (NULL: the server's setting)
+  AND (SELECT set_config('synchronous_commit',
+                         coalesce(%(synchronous_commit)s, current_setting('synchronous_commit')),
+                         true)) IS NOT NULL
 RETURNING id;
 
 -- name: ack_many :many
@@ -239,6 +249,11 @@ DELETE FROM {schema}.message AS m
 USING unnest(%(ids)s::bigint[], %(leases)s::bigint[]) AS held (id, lease)
 WHERE m.id = held.id
   AND m.lease = held.lease
+  -- relax_consumer_commits: 'off' here spares this commit the WAL flush wait; a crash
+  -- can then forget it, which only delivers a message again (NULL: the server's setting)
+  AND (SELECT set_config('synchronous_commit',
+                         coalesce(%(synchronous_commit)s, current_setting('synchronous_commit')),
+                         true)) IS NOT NULL
 RETURNING m.id;
 
 -- name: requeue :one
@@ -248,6 +263,11 @@ SET next_iteration = now(),
     lease = NULL
 WHERE id = %(id)s
   AND lease = %(lease)s
+  -- relax_consumer_commits: 'off' here spares this commit the WAL flush wait; a crash
+  -- can then forget it, which only delivers a message again (NULL: the server's setting)
+  AND (SELECT set_config('synchronous_commit',
+                         coalesce(%(synchronous_commit)s, current_setting('synchronous_commit')),
+                         true)) IS NOT NULL
 RETURNING id, pg_notify(%(channel)s, 'r:' || queue);
 
 -- name: release :many
@@ -261,6 +281,11 @@ WITH released AS (
     FROM unnest(%(ids)s::bigint[], %(leases)s::bigint[]) AS held (id, lease)
     WHERE m.id = held.id
       AND m.lease = held.lease
+      -- relax_consumer_commits: 'off' here spares this commit the WAL flush wait; a crash
+      -- can then forget it, which only delivers a message again (NULL: the server's setting)
+      AND (SELECT set_config('synchronous_commit',
+                             coalesce(%(synchronous_commit)s, current_setting('synchronous_commit')),
+                             true)) IS NOT NULL
     RETURNING m.queue
 )
 SELECT released_queue.queue, pg_notify(%(channel)s, 'r:' || released_queue.queue)
@@ -272,6 +297,11 @@ WITH gone AS (
     DELETE FROM {schema}.message
     WHERE id = %(id)s
       AND lease = %(lease)s
+      -- relax_consumer_commits: 'off' here spares this commit the WAL flush wait; a crash
+      -- can then forget it, which only delivers a message again (NULL: the server's setting)
+      AND (SELECT set_config('synchronous_commit',
+                             coalesce(%(synchronous_commit)s, current_setting('synchronous_commit')),
+                             true)) IS NOT NULL
     RETURNING id, queue, priority, attempts, created_at, dedup_key, body,
               content_type, content_encoding, headers, properties
 )
@@ -293,6 +323,11 @@ SET next_iteration = coalesce(%(now)s::timestamptz, now())
 FROM unnest(%(ids)s::bigint[], %(leases)s::bigint[]) AS held (id, lease)
 WHERE m.id = held.id
   AND m.lease = held.lease
+  -- relax_consumer_commits: 'off' here spares this commit the WAL flush wait; a crash
+  -- can then forget it, which only delivers a message again (NULL: the server's setting)
+  AND (SELECT set_config('synchronous_commit',
+                         coalesce(%(synchronous_commit)s, current_setting('synchronous_commit')),
+                         true)) IS NOT NULL
 RETURNING m.id;
 
 -- name: poll :many
@@ -627,11 +662,3 @@ SELECT
     (SELECT count(*) FROM inserted) AS inserted,
     pg_notify(%(channel)s, wake.payload)
 FROM wake;
-
--- name: relax_commit :none
--- Sent before consumer-side statements (claim, ack, renew, release, requeue, bury)
--- in the same transaction (not before the idle poll, which stays one statement): their commit does not wait for the WAL flush. A
--- server crash can then forget the last few of them, which only means a message is
--- delivered again, as at-least-once allows. Publishes never do this: a published
--- message is on disk when publish returns.
-SET LOCAL synchronous_commit = off;

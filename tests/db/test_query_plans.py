@@ -80,16 +80,16 @@ def _indexes(nodes: list[dict[str, Any]]) -> set[str]:
 
 
 def _params(name: str, now: datetime) -> dict[str, Any]:
-    lease = {"lease": 42, "lease_seconds": 60.0}
+    lease = {"lease": 42, "lease_seconds": 60.0, "synchronous_commit": "off"}
     return {
         "claim": {"queue": "q7", "limit": 10, "max_attempts": 5, "now": None, **lease},
         "take": {"queue": "q7", "limit": 10, "now": None},
         "poll": {"queues": ["q1", "q2"], "now": now + timedelta(seconds=10), "channel": "c"},
-        "ack": {"id": 123, "lease": 42},
-        "ack_many": {"ids": [1, 2, 3], "leases": [42, 42, 42]},
-        "renew": {"ids": [1, 2, 3], "leases": [42, 42, 42], "lease_seconds": 60.0, "now": None},
-        "requeue": {"id": 123, "lease": 42, "channel": "c"},
-        "bury": {"id": 123, "lease": 42, "reason": "rejected"},
+        "ack": {"id": 123, "lease": 42, "synchronous_commit": "off"},
+        "ack_many": {"ids": [1, 2, 3], "leases": [42, 42, 42], "synchronous_commit": "off"},
+        "renew": {"ids": [1, 2, 3], "leases": [42, 42, 42], "now": None, **lease},
+        "requeue": {"id": 123, "lease": 42, "channel": "c", "synchronous_commit": "off"},
+        "bury": {"id": 123, "lease": 42, "reason": "rejected", "synchronous_commit": "off"},
     }[name]
 
 
