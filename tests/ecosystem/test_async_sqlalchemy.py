@@ -1,0 +1,354 @@
+"""SQLAlchemy's AsyncSession and AsyncConnection (postgresql+psycopg): enqueue in their transaction.
+
+``celery_pgqueue.asyncio.enqueue`` publishes through ``run_sync``. Each test runs
+its coroutine with ``asyncio.run`` and makes its async engine inside it (an
+engine's connections belong to one event loop). A real in-process worker runs the
+tasks; each task checks, from a connection of its own, that its order is committed.
+
+Run as a script, this module is the producer of the crash test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from celery import Celery
+from celery.contrib.testing.worker import start_worker
+from psycopg import sql
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, create_async_engine
+from sqlalchemy.orm import Session
+
+import celery_pgqueue
+import kombu_pgqueue
+from celery_pgqueue.asyncio import enqueue, run_enlisted
+from celery_pgqueue.bulk import send_many
+
+pytestmark = pytest.mark.celery
+
+HERE = Path(__file__).resolve()
+
+
+class Boom(Exception):
+    """Raised inside a transaction to roll it back."""
+
+
+def wait_for(condition: Callable[[], Any], timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while not (found := condition()):
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout}s waiting for {what}")
+        threading.Event().wait(0.05)
+    return found
+
+
+def _async_url(dsn: str) -> str:
+    return celery_pgqueue.result_backend_url(dsn or "postgresql://").removeprefix("db+")
+
+
+@asynccontextmanager
+async def _engine(dsn: str) -> AsyncIterator[AsyncEngine]:
+    engine = create_async_engine(_async_url(dsn))
+    try:
+        yield engine
+    finally:
+        await engine.dispose()
+
+
+@asynccontextmanager
+async def _handle(engine: AsyncEngine, kind: str) -> AsyncIterator[Any]:
+    """An AsyncSession or AsyncConnection in a transaction (commit, or rollback on error)."""
+    if kind == "session":
+        async with AsyncSession(engine) as session, session.begin():
+            yield session
+    else:
+        async with engine.connect() as conn, conn.begin():
+            yield conn
+
+
+async def _insert_order(handle: Any, schema: str, order_id: int) -> None:
+    table = sql.Identifier(schema, "orders").as_string(None)
+    await handle.execute(text(f"INSERT INTO {table} (id) VALUES (:id)"), {"id": order_id})  # noqa: S608
+
+
+def _app(dsn: str, schema: str) -> Celery:
+    app = Celery(f"eco_{schema}", set_as_current=False)
+    celery_pgqueue.configure(
+        app, dsn or "postgresql://", results=False, schema=schema, polling_interval=0.5
+    )
+    app.conf.update(worker_hijack_root_logger=False, task_default_queue="celery")
+    return app
+
+
+@pytest.fixture
+def app(dsn: str, schema: str, db: psycopg.Connection) -> Iterator[Celery]:
+    app = _app(dsn, schema)
+    with app.connection_for_write() as conn:
+        conn.default_channel  # noqa: B018 - connecting migrates the schema
+    db.execute(
+        sql.SQL("CREATE TABLE {} (id int PRIMARY KEY)").format(sql.Identifier(schema, "orders"))
+    )
+    yield app
+    app.close()
+
+
+class Shipped:
+    """What the worker did: order id -> was that order committed when the task ran."""
+
+    def __init__(self) -> None:
+        self.seen: dict[int, bool] = {}
+        self.changed = threading.Condition()
+
+    def wait(self, *order_ids: int) -> dict[int, bool]:
+        with self.changed:
+            ok = self.changed.wait_for(lambda: set(order_ids) <= set(self.seen), 20)
+        assert ok, f"tasks for {order_ids} did not run; ran: {self.seen}"
+        return {i: self.seen[i] for i in order_ids}
+
+
+@pytest.fixture
+def ship(app: Celery, dsn: str, schema: str) -> Iterator[Any]:
+    shipped = Shipped()
+    query = sql.SQL("SELECT count(*) FROM {} WHERE id = %s").format(
+        sql.Identifier(schema, "orders")
+    )
+
+    @app.task(name="eco.ship", shared=False)
+    def ship(order_id: int) -> None:
+        with psycopg.connect(dsn) as conn:
+            row = conn.execute(query, (order_id,)).fetchone()
+        with shipped.changed:
+            shipped.seen[order_id] = bool(row and row[0])
+            shipped.changed.notify_all()
+
+    ship.shipped = shipped
+    with start_worker(app, pool="threads", concurrency=2, perform_ping_check=False):
+        yield ship
+
+
+@pytest.fixture
+def messages(db: psycopg.Connection, schema: str) -> Callable[[], list[str]]:
+    """The argsrepr of every message row, as another session sees them."""
+    query = sql.SQL("SELECT headers->>'argsrepr' FROM {}.message ORDER BY id")
+
+    def messages() -> list[str]:
+        return [r for (r,) in db.execute(query.format(sql.Identifier(schema))).fetchall()]
+
+    return messages
+
+
+@pytest.fixture
+def count_orders(db: psycopg.Connection, schema: str) -> Callable[[], int]:
+    query = sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(schema, "orders"))
+
+    def count() -> int:
+        row = db.execute(query).fetchone()
+        assert row is not None
+        return int(row[0])
+
+    return count
+
+
+# -- commit, rollback, savepoints -------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["session", "connection"])
+def test_commit_runs_the_task_after_the_order_is_committed(kind, dsn, schema, ship, messages):
+    async def place() -> list[Any]:
+        async with _engine(dsn) as engine, _handle(engine, kind) as handle:
+            await _insert_order(handle, schema, 1)
+            results = await enqueue(handle, ship.s(1))
+            assert messages() == []
+            # the transaction's own session sees the row
+            table = sql.Identifier(schema, "message").as_string(None)
+            own = await handle.execute(text(f"SELECT count(*) FROM {table}"))  # noqa: S608
+            assert own.scalar() == 1
+        return results
+
+    [result] = asyncio.run(place())
+    assert ship.shipped.wait(1) == {1: True}
+    assert result.id
+
+
+@pytest.mark.parametrize("kind", ["session", "connection"])
+def test_rollback_leaves_no_message_and_no_run(kind, dsn, schema, ship, messages, count_orders):
+    async def place(order_id: int, fail: bool) -> None:
+        async with _engine(dsn) as engine, _handle(engine, kind) as handle:
+            await _insert_order(handle, schema, order_id)
+            await enqueue(handle, ship.s(order_id))
+            if fail:
+                raise Boom
+
+    with pytest.raises(Boom):
+        asyncio.run(place(1, fail=True))
+    assert messages() == []
+    assert count_orders() == 0
+    asyncio.run(place(2, fail=False))
+    assert ship.shipped.wait(2) == {2: True}
+    assert list(ship.shipped.seen) == [2]
+
+
+def test_nested_rollback_drops_only_its_task(dsn, schema, ship, messages, count_orders):
+    async def place() -> None:
+        async with _engine(dsn) as engine, _handle(engine, "session") as session:
+            await _insert_order(session, schema, 1)
+            await enqueue(session, ship.s(1))
+            with pytest.raises(Boom):
+                async with session.begin_nested():
+                    await _insert_order(session, schema, 2)
+                    await enqueue(session, ship.s(2))
+                    raise Boom
+            await _insert_order(session, schema, 3)
+            await enqueue(session, ship.s(3))
+
+    asyncio.run(place())
+    assert ship.shipped.wait(1, 3) == {1: True, 3: True}
+    assert 2 not in ship.shipped.seen
+    assert count_orders() == 2
+
+
+def test_run_enlisted_takes_any_publishing_function(dsn, app, messages):
+    @app.task(name="eco.item", shared=False)
+    def item(n: int) -> None:
+        pass
+
+    async def send(fail: bool) -> int:
+        async with _engine(dsn) as engine, _handle(engine, "session") as session:
+            report = await run_enlisted(session, send_many, app, [item.s(n) for n in range(3)])
+            assert messages() == []
+            if fail:
+                raise Boom
+        return int(report.enqueued)
+
+    with pytest.raises(Boom):
+        asyncio.run(send(fail=True))
+    assert messages() == []
+    assert asyncio.run(send(fail=False)) == 3
+    assert messages() == ["(0,)", "(1,)", "(2,)"]
+
+
+def test_the_loop_runs_while_the_insert_waits(dsn, schema, app, messages):
+    """The INSERT is awaited on the async driver: other coroutines run meanwhile."""
+
+    @app.task(name="eco.noop", shared=False)
+    def noop() -> None:
+        pass
+
+    async def scenario() -> None:
+        async with _engine(dsn) as engine:
+            async with _handle(engine, "session") as session:
+                await enqueue(session, noop.s())  # Celery declares the queue once, here
+            observer = await psycopg.AsyncConnection.connect(dsn, autocommit=True)
+            locker = await psycopg.AsyncConnection.connect(dsn)
+            try:
+                # SHARE blocks INSERTs into the message table, not reads
+                table = sql.Identifier(schema, "message")
+                await locker.execute(sql.SQL("LOCK TABLE {} IN SHARE MODE").format(table))
+                async with _handle(engine, "session") as session:
+                    pid = (await session.execute(text("SELECT pg_backend_pid()"))).scalar()
+                    pending = asyncio.create_task(enqueue(session, noop.s()))
+                    # this loop runs only if enqueue() yields while its INSERT waits
+                    while True:
+                        cur = await observer.execute(
+                            "SELECT wait_event_type FROM pg_stat_activity WHERE pid = %s", (pid,)
+                        )
+                        if await cur.fetchone() == ("Lock",):
+                            break
+                        assert not pending.done(), pending.result()
+                    await locker.rollback()
+                    await asyncio.wait_for(pending, 15)
+            finally:
+                await observer.close()
+                await locker.close()
+
+    asyncio.run(asyncio.wait_for(scenario(), 60))
+    assert messages() == ["()", "()"]
+
+
+# -- crash, other databases, refusals ---------------------------------------------------
+
+
+def test_producer_dying_before_commit_leaves_neither(dsn, schema, app, db, messages, count_orders):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parents[2]), *sys.path])}
+    done = subprocess.run(
+        [sys.executable, str(HERE), dsn, schema],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+    assert done.returncode == 3, (done.stdout, done.stderr)
+    said, backend_pid, seen_orders, seen_messages = done.stdout.split()
+    assert said == "published"
+    assert (seen_orders, seen_messages) == ("1", "1")
+
+    def backend_gone() -> bool:
+        query = "SELECT count(*) FROM pg_stat_activity WHERE pid = %s"
+        return db.execute(query, (int(backend_pid),)).fetchone() == (0,)
+
+    wait_for(backend_gone, 15, "the dead producer's session to end")
+    assert count_orders() == 0
+    assert messages() == []
+
+
+def test_another_database_raises_configuration_error(dsn, schema, app, messages):
+    # another database of the same server (the embedded one has only postgres)
+    current = (conninfo_to_dict(dsn).get("dbname") if dsn else None) or "postgres"
+    elsewhere = make_conninfo(
+        dsn or "", dbname="template1" if current == "postgres" else "postgres"
+    )
+
+    async def place() -> None:
+        async with _engine(elsewhere) as engine, _handle(engine, "session") as session:
+            with pytest.raises(kombu_pgqueue.ConfigurationError, match=schema):
+                await enqueue(session, app.signature("eco.ship", args=[1]))
+
+    asyncio.run(place())
+    assert messages() == []
+
+
+def test_async_handles_are_refused_by_transaction(dsn, app, messages):
+    async def misuse() -> None:
+        async with _engine(dsn) as engine, _handle(engine, "session") as session:
+            with pytest.raises(kombu_pgqueue.ConfigurationError, match="run_sync"):
+                with kombu_pgqueue.transaction(session):
+                    app.send_task("eco.ship", args=[1])
+        async with await psycopg.AsyncConnection.connect(dsn) as conn:
+            with pytest.raises(kombu_pgqueue.ConfigurationError, match="asynchronous"):
+                with kombu_pgqueue.transaction(conn):
+                    pass
+
+    asyncio.run(misuse())
+    with Session() as session, pytest.raises(TypeError, match="AsyncSession"):
+        asyncio.run(run_enlisted(session, print))
+    assert messages() == []
+
+
+async def _crash_producer(dsn: str, schema: str) -> None:
+    """Insert an order and enqueue its task in one transaction, then die before commit."""
+    app = _app(dsn, schema)
+    async with _engine(dsn) as engine, _handle(engine, "session") as session:
+        await _insert_order(session, schema, 7)
+        await enqueue(session, app.signature("eco.ship", args=[7]))
+        orders = sql.Identifier(schema, "orders").as_string(None)
+        message = sql.Identifier(schema, "message").as_string(None)
+        query = f"SELECT pg_backend_pid(), (SELECT count(*) FROM {orders}), count(*) FROM {message}"  # noqa: S608, E501
+        row = await session.execute(text(query))
+        print("published", *row.one(), flush=True)
+        os._exit(3)
+
+
+if __name__ == "__main__":
+    asyncio.run(_crash_producer(*sys.argv[1:3]))
