@@ -11,11 +11,17 @@ Messages are what ``apply_async`` sends (protocol 2, JSON). They go in by COPY,
 key is already waiting or running is skipped and counted: the key is
 ``dedup_key=`` from the signature's options, else its task id, so sending the same
 signatures (same task ids) twice enqueues them once.
+
+Plain signatures (options among task_id, queue, priority, eta, countdown, expires,
+dedup_key) are written from a per-task template (:mod:`celery_pgqueue._template`);
+any other option (links, chains, time limits ...) goes through apply_async's own
+message builder. While the database stores one batch, the next one is being built.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from itertools import islice
@@ -24,11 +30,13 @@ from uuid import uuid4
 
 from celery import Celery
 
-from kombu_pgqueue._store import Outgoing, Store
+from kombu_pgqueue import transactions
+from kombu_pgqueue._store import Store
 
-from .messages import TaskMessageFactory, task_message
+from ._template import MessageTemplate
+from .messages import task_message
 
-#: signature options the template factory writes itself; any other goes the exact way
+#: signature options the template writes itself; any other goes the exact way
 _FAST_OPTIONS = frozenset(
     {"task_id", "queue", "priority", "eta", "countdown", "expires", "dedup_key"}
 )
@@ -52,24 +60,23 @@ class BulkSender:
 
     def __init__(self, app: Celery) -> None:
         self.app = app
-        self._factories: dict[tuple[str, str | None, int | None], TaskMessageFactory] = {}
+        self._templates: dict[tuple[str, str | None, bool], MessageTemplate] = {}
         self._conn = app.connection_for_write()
         self.store: Store = self._conn.default_channel.store
+        self._dedup_ids = self.store.options.dedup_task_ids
 
-    def factory(self, name: str, queue: str | None, priority: int | None) -> TaskMessageFactory:
-        key = (name, queue, priority)
-        found = self._factories.get(key)
+    def template(self, name: str, queue: str | None, keyed: bool) -> MessageTemplate:
+        key = (name, queue, keyed)
+        found = self._templates.get(key)
         if found is None:
-            dedup = self.store.options.dedup_task_ids
-            found = TaskMessageFactory(
-                self.app, name, queue=queue, priority=priority, dedup_task_ids=dedup
-            )
-            self._factories[key] = found
+            found = MessageTemplate(self.app, name, queue=queue, priority=None, keyed=keyed)
+            self._templates[key] = found
         return found
 
-    def message(self, sig: Any) -> Outgoing:
-        options = sig.options
-        if set(options) - _FAST_OPTIONS:
+    def row(self, sig: Any, task_id: str) -> tuple[Any, ...]:
+        """The staging row of one signature (see kombu_pgqueue._store.STAGING_COLUMNS)."""
+        options = dict.get(sig, "options")
+        if not options.keys() <= _FAST_OPTIONS:
             return self._exact(sig)
         eta = _when(options.get("eta"))
         if options.get("countdown") is not None:
@@ -77,42 +84,75 @@ class BulkSender:
         expires = options.get("expires")
         if expires is not None and not isinstance(expires, datetime):
             expires = datetime.now(timezone.utc) + timedelta(seconds=float(expires))
-        factory = self.factory(sig.task, options.get("queue"), options.get("priority"))
-        return factory.outgoing(
-            sig.args,
-            sig.kwargs,
-            task_id=options.get("task_id"),
-            eta=eta,
-            expires=expires,
-            dedup_key=options.get("dedup_key"),
+        dedup_key = options.get("dedup_key")
+        template = self.template(dict.get(sig, "task"), options.get("queue"), dedup_key is not None)
+        priority = options.get("priority")
+        args = tuple(dict.get(sig, "args") or ())
+        kwargs = dict.get(sig, "kwargs") or {}
+        row = template.message(
+            args,
+            kwargs,
+            template.body(args, kwargs),
+            task_id,
+            dedup_key,
+            template.priority if priority is None else priority,
+            eta,
+            expires,
         )
+        if dedup_key is None and not self._dedup_ids:
+            row = row[:4] + (None,) + row[5:]
+        return row
 
-    def _exact(self, sig: Any) -> Outgoing:
+    def _exact(self, sig: Any) -> tuple[Any, ...]:
         # links, chains, time limits...: through apply_async's own message builder
         built = task_message(self.app, sig.task, tuple(sig.args), dict(sig.kwargs), **sig.options)
         channel = self._conn.default_channel
         channel._inplace_augment_message(built.message, "", built.queue)
-        return channel._outgoing(built.queue, built.message)
+        return channel._outgoing(built.queue, built.message).row()
 
     def close(self) -> None:
         self._conn.release()
 
 
 def send_many(app: Celery, signatures: Iterable[Any], *, batch_size: int = 10_000) -> BulkReport:
-    """Publish every signature; return how many were enqueued and skipped."""
+    """Publish every signature; return how many were enqueued and skipped.
+
+    Inside :func:`kombu_pgqueue.transaction` every batch is written through the
+    application's transaction, in this thread; otherwise a helper thread stores each
+    batch while the next is built.
+    """
     report = BulkReport()
     sender = BulkSender(app)
+    writer = ThreadPoolExecutor(1, "pgqueue-bulk") if transactions.current() is None else None
+    pending: Future[int] | None = None
+    pending_size = 0
+
+    def settle() -> None:
+        nonlocal pending
+        if pending is not None:
+            stored = pending.result()
+            report.enqueued += stored
+            report.skipped += pending_size - stored
+            pending = None
+
     try:
         iterator = iter(signatures)
         while batch := list(islice(iterator, batch_size)):
-            messages = []
+            rows: list[Sequence[Any]] = []
             for sig in batch:
-                sig.options.setdefault("task_id", str(uuid4()))
-                messages.append(sender.message(sig))
-                report.task_ids.append(sig.options["task_id"])
-            stored = sender.store.publish_many(messages)
-            report.enqueued += stored
-            report.skipped += len(messages) - stored
+                task_id = sig.options.setdefault("task_id", str(uuid4()))
+                rows.append(sender.row(sig, task_id))
+                report.task_ids.append(task_id)
+            settle()
+            if writer is None:
+                stored = sender.store.publish_rows(rows)
+                report.enqueued += stored
+                report.skipped += len(rows) - stored
+            else:
+                pending, pending_size = writer.submit(sender.store.publish_rows, rows), len(rows)
+        settle()
     finally:
+        if writer is not None:
+            writer.shutdown(wait=True)
         sender.close()
     return report

@@ -39,6 +39,21 @@ class Outgoing:
     expires_at: datetime | None = None
     dedup_key: str | None = None
 
+    def row(self) -> tuple[Any, ...]:
+        """The message as a staging row, in :data:`STAGING_COLUMNS` order."""
+        return (
+            self.queue,
+            self.priority,
+            self.eta,
+            self.expires_at,
+            self.dedup_key,
+            self.body,
+            self.content_type,
+            self.content_encoding,
+            self.headers,
+            self.properties,
+        )
+
     def params(self) -> dict[str, Any]:
         return {
             "queue": self.queue,
@@ -236,30 +251,27 @@ class Store:
         return int(row[0]) if row else None
 
     def publish_many(self, messages: Sequence[Outgoing]) -> int:
-        """Store many messages in one transaction; return how many were inserted.
+        """Store many messages in one transaction; return how many were inserted."""
+        return self.publish_rows([m.row() for m in messages])
+
+    def publish_rows(self, rows: Sequence[Sequence[Any]]) -> int:
+        """Store staging rows (:data:`STAGING_COLUMNS` order) in one transaction.
 
         On the broker's own connections the rows go in by COPY through a staging
-        table; inside an enlisted application transaction, as one INSERT.
+        table; inside an enlisted application transaction, as one INSERT. Returns how
+        many were inserted (the rest had a dedup key that was taken).
         """
-        if not messages:
+        if not rows:
             return 0
         if transactions.current() is None:
-            return self._publish_copy(messages)
-        columns: dict[str, list[Any]] = {key: [] for key in messages[0].params()}
-        for message in messages:
-            for key, value in message.params().items():
-                columns[key].append(value)
-        rows = self._rows("publish_many", {**columns, "channel": self.options.channel})
-        return int(rows[0][0]) if rows else 0
-
-    def _publish_copy(self, messages: Sequence[Outgoing]) -> int:
-        rows = (
-            (m.queue, m.priority, m.eta, m.expires_at, m.dedup_key, m.body)
-            + (m.content_type, m.content_encoding, m.headers, m.properties)
-            for m in messages
-        )
-        with self._translated("publish_many"), self.pool.connection() as conn:
-            return load_staged(conn, self.options.schema, self.options.channel, rows)
+            with self._translated("publish_many"), self.pool.connection() as conn:
+                return load_staged(conn, self.options.schema, self.options.channel, rows)
+        columns: dict[str, list[Any]] = {name: [] for name, _ in STAGING_COLUMNS}
+        for row in rows:
+            for (name, _), value in zip(STAGING_COLUMNS, row):
+                columns[name].append(value)
+        found = self._rows("publish_many", {**columns, "channel": self.options.channel})
+        return int(found[0][0]) if found else 0
 
     def publish_routed(self, exchange: str, routing_key: str, message: Outgoing) -> list[str]:
         """Route through the shared bindings of ``exchange``; return the queues reached."""
