@@ -140,28 +140,84 @@ def load_staged(
     ordered: bool = True,
     binary: bool = False,
 ) -> int:
-    """COPY ``rows`` (in :data:`STAGING_COLUMNS` order) into the queue in one transaction.
+    """Load ``rows`` (in :data:`STAGING_COLUMNS` order) into the queue in one transaction.
 
-    Dedup keys already waiting or running are skipped (COPY alone cannot skip them, so
-    the rows go through a session staging table); consumers get one NOTIFY per queue at
-    commit. Returns how many rows were inserted. ``ordered=False`` lets the ids follow
-    any order (cheaper for large loads); ``binary`` needs values of exactly the staging
-    types (aware datetimes, ints within int2). For connections the caller opened itself,
-    such as a Spark executor's: the broker's own publishes use :meth:`Store.publish_many`.
+    Returns how many were inserted: a dedup key already waiting or running is
+    skipped. Consumers get one NOTIFY per queue at commit. Messages without an ETA,
+    for queues without a TTL, are first tried by COPY straight into the queue table
+    (the fast path: no staging table, no INSERT ... ON CONFLICT); if a dedup key is
+    taken, that COPY is undone and its rows take the staging path with the rest.
+    ``ordered=False`` lets ids follow any order within the staging path (cheaper for
+    large loads); ``binary`` needs values of exactly the staging types (aware
+    datetimes, ints within int2). For connections the caller opened itself, such as a
+    Spark executor's; the broker's own publishes use :meth:`Store.publish_rows`.
     """
     statements = _sql.queries(schema)
+    rows = rows if isinstance(rows, list) else list(rows)
+    if not rows:
+        return 0
     with conn.transaction():
-        conn.execute(statements["create_staging"])
-        copy_name = "copy_staging_binary" if binary else "copy_staging"
-        with conn.cursor().copy(statements[copy_name]) as copy:
-            if binary:
-                copy.set_types([kind for _, kind in STAGING_COLUMNS])
-            write = copy.write_row
-            for row in rows:
-                write(row)
-        found = conn.execute(
-            statements["publish_staged"], {"channel": channel, "ordered": ordered}
-        ).fetchall()
+        queues = sorted({row[0] for row in rows})
+        found = conn.execute(statements["ttl_queues"], {"queues": queues}).fetchall()
+        ttl = {name for (name,) in found}
+        direct: list[Sequence[Any]] = []
+        staged: list[Sequence[Any]] = []
+        for row in rows:
+            (direct if row[2] is None and row[0] not in ttl else staged).append(row)
+        inserted = 0
+        if direct:
+            if _copy_direct(conn, statements, direct, binary):
+                inserted = len(direct)
+                ready = sorted({row[0] for row in direct})
+                conn.execute(statements["notify_ready"], {"channel": channel, "queues": ready})
+            else:
+                staged = rows  # all of them, in their order
+        if staged:
+            inserted += _copy_staged(conn, statements, staged, channel, ordered, binary)
+    return inserted
+
+
+def _copy_direct(
+    conn: psycopg.Connection,
+    statements: dict[str, Any],
+    rows: list[Sequence[Any]],
+    binary: bool,
+) -> bool:
+    """COPY rows straight into the queue table; False (and nothing written) on a taken key."""
+    try:
+        with conn.transaction():  # a savepoint: a taken key undoes only this COPY
+            name = "copy_direct_binary" if binary else "copy_direct"
+            with conn.cursor().copy(statements[name]) as copy:
+                if binary:
+                    copy.set_types([kind for n, kind in STAGING_COLUMNS if n != "eta"])
+                write = copy.write_row
+                for row in rows:
+                    write(row[:2] + row[3:])
+    except errors.UniqueViolation:
+        return False
+    return True
+
+
+def _copy_staged(
+    conn: psycopg.Connection,
+    statements: dict[str, Any],
+    rows: list[Sequence[Any]],
+    channel: str,
+    ordered: bool,
+    binary: bool,
+) -> int:
+    conn.execute(statements["create_staging"])
+    with conn.cursor().copy(
+        statements["copy_staging_binary" if binary else "copy_staging"]
+    ) as copy:
+        if binary:
+            copy.set_types([kind for _, kind in STAGING_COLUMNS])
+        write = copy.write_row
+        for row in rows:
+            write(row)
+    found = conn.execute(
+        statements["publish_staged"], {"channel": channel, "ordered": ordered}
+    ).fetchall()
     return int(found[0][0]) if found else 0
 
 

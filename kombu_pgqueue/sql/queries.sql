@@ -622,6 +622,36 @@ COPY pgqueue_staging (
     body, content_type, content_encoding, headers, properties
 ) FROM STDIN WITH (FORMAT BINARY);
 
+-- name: ttl_queues :many
+-- Which of these queues cut a message's life short (x-message-ttl): their messages
+-- take the staging path, whose INSERT applies the TTL.
+SELECT name
+FROM {schema}.queue
+WHERE name = ANY(%(queues)s::text[])
+  AND message_ttl IS NOT NULL;
+
+-- name: copy_direct :none
+-- A bulk load's fast path, straight into the queue table: for messages without an
+-- ETA, into queues without a TTL, whose defaults (visible now, not delayed) are
+-- right. A taken dedup key fails the whole COPY (unique_violation); the caller then
+-- loads the same rows through the staging table, which skips taken keys.
+COPY {schema}.message (
+    queue, priority, expires_at, dedup_key,
+    body, content_type, content_encoding, headers, properties
+) FROM STDIN;
+
+-- name: copy_direct_binary :none
+-- The same in binary (text bytes are json's binary form as well).
+COPY {schema}.message (
+    queue, priority, expires_at, dedup_key,
+    body, content_type, content_encoding, headers, properties
+) FROM STDIN WITH (FORMAT BINARY);
+
+-- name: notify_ready :many
+-- Wake consumers of queues that a direct COPY filled; sent at commit.
+SELECT pg_notify(%(channel)s, 'r:' || ready.queue)
+FROM unnest(%(queues)s::text[]) AS ready (queue);
+
 -- name: publish_staged :many
 -- What COPY staged, into the queue; COPY itself cannot skip dedup-key conflicts.
 WITH inserted AS (

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from kombu import Consumer, Queue
+from psycopg import sql
 
 from kombu_pgqueue.bulk import publish_many
 
@@ -33,3 +34,37 @@ def test_publish_many_wakes_a_waiting_consumer(connection, make_connection):
         publish_many(connection, [{"a": 1}, {"a": 2}], "woken")
         other.drain_events(timeout=10)  # wakes on NOTIFY; the poll is 60 s away
     assert got == [{"a": 1}, {"a": 2}]
+
+
+def _row(queue: str, key: str | None, eta=None, body: bytes = b"{}") -> tuple:
+    return (queue, 0, eta, None, key, body, "application/json", "utf-8", "{}", "{}")
+
+
+def test_a_taken_key_sends_the_whole_batch_the_staging_way(store, db):
+    """The direct COPY fails on a taken key; its rows then go in with the key skipped."""
+    assert store.publish_rows([_row("mix", "k1"), _row("mix", "k3")]) == 2
+    batch = [_row("mix", f"k{i}", body=f'{{"i": {i}}}'.encode()) for i in range(6)]
+    assert store.publish_rows(batch) == 4  # k1 and k3 were waiting
+    assert store.size("mix") == 6
+    keys = db.execute(
+        sql.SQL("SELECT dedup_key FROM {}.message ORDER BY id").format(sql.Identifier(store.schema))
+    ).fetchall()
+    assert [k for (k,) in keys] == ["k1", "k3", "k0", "k2", "k4", "k5"]
+
+
+def test_eta_rows_and_ttl_queues_take_the_staging_way(store, db, later, connection):
+    """An ETA row stays delayed, and a queue's x-message-ttl still caps expires_at."""
+    Queue("short", queue_arguments={"x-message-ttl": 60_000})(connection.default_channel).declare()
+    due = later(3600)
+    rows = [_row("short", None), _row("plain", None), _row("plain", None, eta=due)]
+    assert store.publish_rows(rows) == 3
+    query = "SELECT queue, delayed, next_iteration, expires_at IS NOT NULL FROM {}.message"
+    found = db.execute(
+        sql.SQL(query + " ORDER BY queue, delayed").format(sql.Identifier(store.schema))
+    ).fetchall()
+    assert [(q, d, e) for q, d, _, e in found] == [
+        ("plain", False, False),
+        ("plain", True, False),
+        ("short", False, True),
+    ]
+    assert found[1][2] == due

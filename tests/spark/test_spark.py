@@ -331,7 +331,8 @@ def test_priority_eta_and_expires(spark, dsn, schema, db, transfer) -> None:
     )
     assert (summary.enqueued, summary.bad) == (2, 1)
     assert summary.bad_rows[0].reason == "priority 300 is outside 0-255"
-    first, second = _messages(db, schema)
+    # the delayed message first: ids need not follow the rows (ready ones go in first)
+    first, second = sorted(_messages(db, schema), key=lambda m: not m["delayed"])
     assert (first["priority"], first["delayed"], first["next_iteration"]) == (9, True, later)
     assert json.loads(first["headers"])["eta"] == later.isoformat()
     assert json.loads(first["properties"])["priority"] == 9
