@@ -71,8 +71,9 @@ SIZES = {
         deep_n=2_000_000,
         claim_reps=200,
         churn_n=50_000,
-        bulk_n=100_000,
-        eta_n=30_000,
+        bulk_n=1_000_000,
+        bulk_tasks=200_000,
+        eta_n=100_000,
         eta_settle_cap=45.0,
     ),
     "quick": dict(
@@ -90,7 +91,8 @@ SIZES = {
         deep_n=300_000,
         claim_reps=30,
         churn_n=20_000,
-        bulk_n=20_000,
+        bulk_n=100_000,
+        bulk_tasks=50_000,
         eta_n=5_000,
         eta_settle_cap=10.0,
     ),
@@ -403,7 +405,12 @@ FIGURES: dict[str, tuple[str, str, str]] = {
     "claim100_deep": ("claim(100)+ack_many, deep backlog", "ms", "lower"),
     "claim1_churned": ("claim(1)+ack after churn_n acks, no vacuum", "ms", "lower"),
     "claim1_vacuumed": ("claim(1)+ack, same, after VACUUM", "ms", "lower"),
-    "bulk_publish_many": ("Store.publish_many, batches of 1000", "msg/s", "higher"),
+    "bulk_publish_rows": (
+        "Store.publish_rows, batches of 10,000, dedup keys",
+        "msg/s",
+        "higher",
+    ),
+    "bulk_send_many": ("celery_pgqueue send_many, no-op signatures", "tasks/s", "higher"),
     "bulk_copy": ("COPY into the message table", "msg/s", "higher"),
     "rss_empty": ("Worker RSS (prefork -c 2), empty queue", "MB", "lower"),
     "rss_eta": ("Worker RSS with ETA tasks due tomorrow", "MB", "lower"),
@@ -867,33 +874,50 @@ def bench_claim(ctx: Ctx, broker: Broker) -> dict[str, list[float]]:
 
 
 def bench_bulk(ctx: Ctx, broker: Broker, run: int) -> dict[str, float]:
+    """Bulk enqueue into an empty queue: Kombu level (Store) and Celery level (send_many)."""
     if broker.name != "pgqueue":
         return {}
-    from kombu_pgqueue._store import Outgoing
+    from celery_pgqueue.bulk import send_many
 
     n = ctx.sizes["bulk_n"]
     store = _store(broker)
     body = json.dumps(SMALL_BODY).encode()
     queue = f"bulk{run}"
-    msgs = [
-        Outgoing(
-            queue=queue,
-            body=body,
-            headers='{"id": "x"}',
-            properties='{"delivery_info": {"exchange": "", "routing_key": "bulk"}}',
-            content_type="application/json",
-            content_encoding="utf-8",
-        )
-        for _ in range(1000)
+    headers = '{"id": "x"}'
+    properties = '{"delivery_info": {"exchange": "", "routing_key": "bulk"}}'
+    # staging rows with a distinct dedup key each, as task ids give them (built untimed)
+    rows = [
+        (queue, 0, None, None, f"bulk:{run}:{i}", body, "application/json", "utf-8")
+        + (headers, properties)
+        for i in range(n)
     ]
-    store.publish_many(msgs[:10])
+    store.publish_rows(rows[:10])
     store.purge(queue)
+    batch = 10_000
     t0 = time.perf_counter()
     done = 0
-    while done < n:
-        done += store.publish_many(msgs[: min(1000, n - done)])
-    out = {"bulk_publish_many": n / (time.perf_counter() - t0)}
+    for start in range(0, n, batch):
+        done += store.publish_rows(rows[start : start + batch])
+    out = {"bulk_publish_rows": n / (time.perf_counter() - t0)}
+    if done != n:
+        ctx.problem(broker.name, "bulk", f"publish_rows stored {done} of {n}")
+    del rows
     store.purge(queue)
+
+    tasks = ctx.sizes["bulk_tasks"]
+    app = make_app(broker.url, broker.options, queue)
+    noop = app.tasks["bench.noop"]
+    send_many(app, [noop.s() for _ in range(10)])
+    store.purge(queue)
+    signatures = [noop.s() for _ in range(tasks)]
+    t0 = time.perf_counter()
+    report = send_many(app, signatures)
+    out["bulk_send_many"] = tasks / (time.perf_counter() - t0)
+    if report.enqueued != tasks:
+        ctx.problem(broker.name, "bulk", f"send_many enqueued {report.enqueued} of {tasks}")
+    app.close()
+    store.purge(queue)
+
     with psycopg.connect(PG_DSN, autocommit=True) as conn:
         out["bulk_copy"] = _copy_rows(conn, broker.options["schema"], queue, n)
     store.delete_queue(queue)
@@ -983,7 +1007,7 @@ GROUP_FIGURES = {
         "claim1_churned",
         "claim1_vacuumed",
     ],
-    "bulk": ["bulk_publish_many", "bulk_copy"],
+    "bulk": ["bulk_publish_rows", "bulk_send_many", "bulk_copy"],
     "eta_rss": ["rss_empty", "rss_eta", "eta_held"],
 }
 #: figures that only exist for some brokers
@@ -1279,7 +1303,10 @@ Method
   of a queue, mean over many calls, against a backlog COPY-loaded straight into the
   benchmark schema's message table and VACUUM ANALYZEd; then 50k claims+acks from the
   head with autovacuum off for the table, measured again, then after a manual VACUUM.
-- bulk (pgqueue only): Store.publish_many in batches of 1000 and COPY into the table.
+- bulk (pgqueue only): Store.publish_rows in batches of 10,000 rows, each with its own
+  dedup key (the Kombu-level bulk path: COPY straight into the table, falling back to
+  staging + INSERT ... ON CONFLICT when a key is taken); celery_pgqueue send_many of
+  no-op signatures built beforehand (message building included); raw COPY for reference.
 - ETA RSS: summed VmRSS of the worker's process group (prefork -c 2) with an empty
   queue, then after apply_async(countdown=86400) of N no-op tasks once the worker settles
   (broker queue empty and RSS flat 5 s, or nothing changing for 10 s, or a time cap);
