@@ -9,10 +9,12 @@
     celery -A proj pgqueue dead requeue ID... | --all [--queue Q]
     celery -A proj pgqueue dead purge [--queue Q] --yes
     celery -A proj pgqueue purge QUEUE... --yes
+    celery -A proj pgqueue metrics [--port 9808] [--schema S] [--interval 10] [--cap 10000]
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -22,6 +24,7 @@ import click
 from kombu.utils.json import loads
 
 from kombu_pgqueue import migrations
+from kombu_pgqueue._monitor import DEFAULT_CAP, Monitor
 from kombu_pgqueue._store import DeadLetter, Store
 
 
@@ -214,3 +217,35 @@ def dead_purge(ctx: click.Context, queue: str | None, yes: bool) -> None:
         click.confirm(f"Delete the dead letters of {queue or 'every queue'} for good?", abort=True)
     with _store(ctx) as store:
         click.echo(f"deleted {store.purge_dead(queue)} dead letters")
+
+
+@pgqueue.command()
+@click.option("--port", default=9808, show_default=True, help="0 picks a free port")
+@click.option("--addr", default="0.0.0.0", show_default=True)
+@click.option("--schema", default=None, help="broker schema  [default: the app's]")
+@click.option(
+    "--interval",
+    default=10.0,
+    show_default=True,
+    help="seconds between two query sets; scrapes in between share the last one",
+)
+@click.option(
+    "--cap", default=DEFAULT_CAP, show_default=True, help="exact counts up to, estimates above"
+)
+@click.pass_context
+def metrics(
+    ctx: click.Context, port: int, addr: str, schema: str | None, interval: float, cap: int
+) -> None:
+    """Serve Prometheus metrics of the queues (depths, oldest ready age) until stopped."""
+    try:
+        from celery_pgqueue.metrics import serve_forever
+    except ImportError as exc:
+        raise click.UsageError(
+            f"{exc}; install the metrics extra: pip install 'kombu-pgqueue[metrics]'"
+        ) from exc
+    with _store(ctx, connect=False) as store:
+        # a monitor never installs or upgrades a schema: pgqueue_up says 0 until it exists
+        options = dataclasses.replace(
+            store.options, schema=schema or store.schema, auto_migrate=False, pool_max_size=2
+        )
+        serve_forever(Monitor(Store(store.conninfo, options), cap=cap), port, addr, interval)

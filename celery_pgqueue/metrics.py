@@ -1,0 +1,297 @@
+"""Prometheus metrics: queue depths from the database, event counters from the process.
+
+* ``celery -A proj pgqueue metrics --port 9808`` or ``python -m celery_pgqueue.metrics
+  --dsn ... --port 9808``: an exporter of the queue gauges.
+* ``install(app, port=9809)`` (or ``celery worker --pgqueue-metrics-port N`` after
+  ``install(app)``): a worker bootstep serving the worker's counters, and with
+  ``queues=True`` the gauges too. The consumer runs in the worker's main process
+  whatever the pool, and so does the step. Every metric: ``docs/monitoring.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+from wsgiref.simple_server import WSGIServer
+
+import click
+from celery import bootsteps
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kombu_pgqueue import _counters
+from kombu_pgqueue._monitor import DEFAULT_CAP, Monitor, QueueDepth, TableSize
+from kombu_pgqueue._options import parse_options
+from kombu_pgqueue._store import Store
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_PORT = 9808
+#: at most one query set per this many seconds; scrapes in between share its result
+DEFAULT_INTERVAL = 10.0
+
+#: process event (kombu_pgqueue._counters) -> metric name (without _total), help, by queue
+COUNTERS = {
+    "claimed": ("pgqueue_claimed", "Messages handed out by claims.", True),
+    "redelivered": ("pgqueue_redelivered", "Claimed messages delivered before.", True),
+    "acked": ("pgqueue_acked", "Messages acked.", False),
+    "requeued": ("pgqueue_requeued", "Messages rejected with requeue.", False),
+    "rejected": ("pgqueue_rejected", "Messages rejected into the dead letters.", False),
+    "renewed": ("pgqueue_lease_renewals", "Leases renewed by the lease keeper.", False),
+    "lost_leases": ("pgqueue_lost_leases", "Renewals that found the lease gone.", False),
+}
+
+
+def _gauge(name: str, help_text: str, *labels: str) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, help_text, labels=list(labels))
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """One query set's result, shared by the scrapes of one refresh interval."""
+
+    ok: bool
+    seconds: float
+    taken: float
+    depths: list[QueueDepth]
+    tables: list[TableSize]
+
+
+class PgQueueCollector(Collector):
+    """Queue gauges from ``monitor`` (if given) and this process's event counters.
+
+    The database is asked at most once per ``min_interval`` seconds, however often and
+    from however many threads it is scraped.
+    """
+
+    def __init__(
+        self,
+        monitor: Monitor | None = None,
+        *,
+        counters: bool = True,
+        min_interval: float = DEFAULT_INTERVAL,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.monitor = monitor
+        self.counters = counters
+        self.min_interval = min_interval
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._last: Snapshot | None = None
+
+    def describe(self) -> list[Metric]:
+        return []  # nothing: registering must not query the database
+
+    def snapshot(self) -> Snapshot:
+        """The cached query set, refreshed first when older than ``min_interval``."""
+        assert self.monitor is not None
+        with self._lock:
+            last = self._last
+            if last is not None and self._clock() - last.taken < self.min_interval:
+                return last
+            started = self._clock()
+            try:
+                depths = self.monitor.queue_depths()
+                tables = self.monitor.table_sizes()
+            except Exception as exc:  # the database may be down: say so, serve counters
+                logger.warning("pgqueue metrics: monitoring queries failed: %r", exc)
+                self._last = Snapshot(False, self._clock() - started, started, [], [])
+            else:
+                self._last = Snapshot(True, self._clock() - started, started, depths, tables)
+            return self._last
+
+    def collect(self) -> Iterator[Metric]:
+        if self.monitor is not None:
+            yield from self._gauges(self.snapshot())
+        if self.counters:
+            yield from self._counters()
+
+    def _gauges(self, snap: Snapshot) -> Iterator[Metric]:
+        assert self.monitor is not None
+        up = _gauge("pgqueue_up", "1 if the last monitoring queries succeeded.", "schema")
+        up.add_metric([self.monitor.schema], 1.0 if snap.ok else 0.0)
+        took = _gauge("pgqueue_monitor_query_seconds", "Duration of the last query set.")
+        took.add_metric([], snap.seconds)
+        yield from (up, took)
+        messages = _gauge(
+            "pgqueue_queue_messages", "Messages by queue and state.", "queue", "state"
+        )
+        exact = _gauge(
+            "pgqueue_queue_messages_exact",
+            "1 if pgqueue_queue_messages is an exact count, 0 if an estimate (above the cap).",
+            "queue",
+            "state",
+        )
+        oldest = _gauge(
+            "pgqueue_queue_oldest_ready_age_seconds",
+            "Seconds since the oldest ready message was published; 0 if none is ready.",
+            "queue",
+        )
+        for depth in snap.depths:
+            for state, count in depth.counts.items():
+                messages.add_metric([depth.queue, state], count)
+                exact.add_metric([depth.queue, state], 1.0 if depth.exact[state] else 0.0)
+            oldest.add_metric([depth.queue], depth.oldest_ready_age or 0.0)
+        yield from (messages, exact, oldest)
+        size = _gauge("pgqueue_table_size_bytes", "Table size with indexes and TOAST.", "table")
+        live = _gauge("pgqueue_table_live_rows", "Live rows as the server counts them.", "table")
+        dead = _gauge("pgqueue_table_dead_rows", "Dead rows not yet vacuumed.", "table")
+        for table in snap.tables:
+            size.add_metric([table.table], table.total_bytes)
+            live.add_metric([table.table], table.live_rows)
+            dead.add_metric([table.table], table.dead_rows)
+        yield from (size, live, dead)
+
+    def _counters(self) -> Iterator[Metric]:
+        counts = _counters.snapshot()
+        # every queue that was claimed from gets every per-queue counter, 0 included
+        queues = sorted({queue for (event, queue) in counts if event in ("claimed", "redelivered")})
+        for event, (name, help_text, by_queue) in COUNTERS.items():
+            family = CounterMetricFamily(name, help_text, labels=["queue"] if by_queue else [])
+            if by_queue:
+                for queue in queues:
+                    family.add_metric([queue], counts.get((event, queue), 0))
+            else:
+                family.add_metric([], sum(v for (e, _), v in counts.items() if e == event))
+            yield family
+
+
+_served: weakref.WeakSet[WSGIServer] = weakref.WeakSet()
+
+
+def _close_in_child() -> None:
+    # a forked pool process must not keep the listening socket open: the port would
+    # stay taken after the worker stopped serving it
+    for server in list(_served):
+        server.socket.close()
+
+
+os.register_at_fork(after_in_child=_close_in_child)
+
+
+def serve(collector: Collector, port: int, addr: str = "0.0.0.0") -> WSGIServer:
+    """Serve ``collector`` alone at ``http://addr:port/metrics`` from a daemon thread.
+
+    Port 0 picks a free port: read it from ``server.server_address[1]``.
+    """
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(collector)
+    server, _thread = start_http_server(port, addr, registry=registry)
+    _served.add(server)
+    return server
+
+
+def serve_forever(monitor: Monitor, port: int, addr: str, min_interval: float) -> None:
+    """The exporter: queue gauges only (an exporter's own counters would stay at 0)."""
+    collector = PgQueueCollector(monitor, counters=False, min_interval=min_interval)
+    server = serve(collector, port, addr)
+    print(
+        f"pgqueue metrics for schema {monitor.schema!r} on "
+        f"http://{addr}:{server.server_address[1]}/metrics",
+        flush=True,
+    )
+    try:
+        threading.Event().wait()
+    except KeyboardInterrupt:
+        server.shutdown()
+
+
+class MetricsStep(bootsteps.StartStopStep):
+    """Worker bootstep: serves this worker's metrics while it runs (see :func:`install`)."""
+
+    label = "pgqueue metrics"
+
+    def __init__(self, parent: Any, pgqueue_metrics_port: int | None = None, **kwargs: Any):
+        super().__init__(parent, **kwargs)
+        conf = parent.app.conf
+        port = conf.get("pgqueue_metrics_port")
+        self.port = pgqueue_metrics_port if pgqueue_metrics_port is not None else port
+        self.addr = conf.get("pgqueue_metrics_addr") or "0.0.0.0"
+        self.queues = bool(conf.get("pgqueue_metrics_queues"))
+        self.min_interval = float(conf.get("pgqueue_metrics_interval") or DEFAULT_INTERVAL)
+        self.server: WSGIServer | None = None
+        self._connection: Any = None
+
+    def include_if(self, parent: Any) -> bool:
+        return self.port is not None
+
+    def start(self, parent: Any) -> None:
+        monitor = None
+        if self.queues:
+            self._connection = parent.app.connection_for_read()
+            monitor = Monitor(self._connection.transport.store)
+        collector = PgQueueCollector(monitor, min_interval=self.min_interval)
+        try:
+            self.server = serve(collector, int(self.port), self.addr)
+        except OSError as exc:  # a busy port must not keep the worker from working
+            logger.error("pgqueue metrics: cannot serve on %s:%s: %s", self.addr, self.port, exc)
+            return
+        logger.info(
+            "pgqueue metrics on http://%s:%d/metrics", self.addr, self.server.server_address[1]
+        )
+
+    def stop(self, parent: Any) -> None:
+        server, self.server = self.server, None
+        if server is not None:
+            server.shutdown()
+            server.server_close()
+        connection, self._connection = self._connection, None
+        if connection is not None:
+            connection.release()
+
+    terminate = stop
+
+
+def install(
+    app: Any,
+    port: int | None = None,
+    *,
+    addr: str = "0.0.0.0",
+    queues: bool = False,
+    min_interval: float = DEFAULT_INTERVAL,
+) -> None:
+    """Let ``app``'s workers serve metrics on ``port`` or ``--pgqueue-metrics-port``.
+
+    Without either the step stays out. ``queues=True`` adds the queue gauges (each
+    worker then queries the database; one exporter is usually enough).
+    """
+    app.conf.update(
+        pgqueue_metrics_addr=addr,
+        pgqueue_metrics_queues=queues,
+        pgqueue_metrics_interval=min_interval,
+    )
+    if port is not None:
+        app.conf.pgqueue_metrics_port = port
+    app.steps["worker"].add(MetricsStep)
+    options = app.user_options["worker"]
+    if not any("--pgqueue-metrics-port" in option.opts for option in options):
+        help_text = "Serve pgqueue's Prometheus metrics on this port (0: a free one)."
+        options.add(click.Option(["--pgqueue-metrics-port"], type=int, help=help_text))
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m celery_pgqueue.metrics --dsn ... [--schema pgqueue] [--port 9808]``."""
+    parser = argparse.ArgumentParser(prog="python -m celery_pgqueue.metrics", description=__doc__)
+    parser.add_argument("--dsn", required=True, help="libpq DSN or postgresql:// URL")
+    parser.add_argument("--schema", default="pgqueue")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="0 picks a free port")
+    parser.add_argument("--addr", default="0.0.0.0")
+    parser.add_argument("--interval", type=float, default=DEFAULT_INTERVAL)
+    parser.add_argument("--cap", type=int, default=DEFAULT_CAP)
+    args = parser.parse_args(argv)
+    # a monitor never installs or upgrades the schema: it reports pgqueue_up 0 until it exists
+    options = parse_options({"schema": args.schema, "auto_migrate": False, "pool_max_size": 2})
+    monitor = Monitor(Store(args.dsn, options), cap=args.cap)
+    serve_forever(monitor, args.port, args.addr, args.interval)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,118 @@
+"""Query-plan regression for the monitoring statements: on a table with enough rows that
+a scan would show, every message and dead-letter lookup walks an index.
+
+60,000 messages (most in one queue, at three priorities, some leased), 2,000 delayed,
+3,000 dead letters, then ANALYZE; ``EXPLAIN (FORMAT JSON)`` of each statement as the
+monitor sends it, with the default cap and with a small one (the estimate path).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg import sql
+
+from kombu_pgqueue import migrate
+from kombu_pgqueue._monitor import DEFAULT_CAP
+from kombu_pgqueue._sql import queries
+
+BROKER_TABLES = {"message", "dead_letter"}
+
+LOAD = [
+    # "bulk" holds most rows, so a planner that likes scans would pick one for it
+    "INSERT INTO {s}.message (queue, priority, body, headers, properties) "
+    "SELECT CASE WHEN i <= 55000 THEN 'bulk' ELSE 'q' || (i %% 40) END, (i %% 3) * 4, "
+    "'x', '{{}}', '{{}}' FROM generate_series(1, 60000) AS i",
+    "INSERT INTO {s}.message (queue, delayed, next_iteration, body, headers, properties) "
+    "SELECT 'q' || (i %% 7), true, now() + make_interval(secs => i), 'x', '{{}}', '{{}}' "
+    "FROM generate_series(1, 2000) AS i",
+    "UPDATE {s}.message SET lease = 1, attempts = 1, next_iteration = now() + interval '1 hour' "
+    "WHERE id IN (SELECT id FROM {s}.message WHERE NOT delayed ORDER BY id LIMIT 50)",
+    "INSERT INTO {s}.dead_letter (id, queue, priority, attempts, reason, created_at, body, "
+    "headers, properties) SELECT -i, 'q' || (i %% 5), 0, 5, 'rejected', now(), 'x', '{{}}', "
+    "'{{}}' FROM generate_series(1, 3000) AS i",
+    "VACUUM ANALYZE {s}.message",
+    "VACUUM ANALYZE {s}.dead_letter",
+]
+
+
+@pytest.fixture(scope="module")
+def loaded(dsn: str) -> Iterator[tuple[psycopg.Connection, str]]:
+    schema = f"t_mplan_{uuid.uuid4().hex[:8]}"
+    ident = sql.Identifier(schema)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        migrate(conn, schema)
+        try:
+            for statement in LOAD:
+                conn.execute(sql.SQL(statement.replace("%%", "%")).format(s=ident))
+            yield conn, schema
+        finally:
+            conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(ident))
+
+
+def _nodes(plan: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    yield plan
+    for child in plan.get("Plans", []):
+        yield from _nodes(child)
+
+
+def _explain(conn: psycopg.Connection, schema: str, name: str, cap: int) -> list[dict[str, Any]]:
+    query = sql.SQL("EXPLAIN (FORMAT JSON) ") + queries(schema)[name]
+    row = conn.execute(query, {"schema": schema, "cap": cap, "now": None}).fetchone()
+    assert row is not None
+    return list(_nodes(row[0][0]["Plan"]))
+
+
+def _scanned(nodes: list[dict[str, Any]]) -> list[str]:
+    return [
+        n["Relation Name"]
+        for n in nodes
+        if n["Node Type"] in ("Seq Scan", "Sample Scan") and n.get("Relation Name") in BROKER_TABLES
+    ]
+
+
+def _indexes(nodes: list[dict[str, Any]]) -> set[str]:
+    return {n["Index Name"] for n in nodes if "Index Name" in n}
+
+
+@pytest.mark.parametrize("cap", [DEFAULT_CAP, 100])
+def test_queue_depths_walks_indexes_only(loaded: tuple[psycopg.Connection, str], cap: int) -> None:
+    conn, schema = loaded
+
+    nodes = _explain(conn, schema, "queue_depths", cap)
+
+    assert _scanned(nodes) == []
+    assert {"message_ready_idx", "message_delayed_idx", "dead_letter_queue_idx"} <= _indexes(nodes)
+    # the oldest-ready lookup in id order must not walk the primary key past other queues
+    assert "message_pkey" not in _indexes(nodes)
+    # and the cost estimate stays below jit_above_cost's default: JIT would cost seconds
+    assert nodes[0]["Total Cost"] < 100_000
+
+
+def test_table_sizes_reads_only_the_catalog(loaded: tuple[psycopg.Connection, str]) -> None:
+    conn, schema = loaded
+
+    nodes = _explain(conn, schema, "table_sizes", DEFAULT_CAP)
+
+    assert not {n.get("Relation Name") for n in nodes} & BROKER_TABLES
+
+
+def test_queue_depths_on_the_loaded_table(loaded: tuple[psycopg.Connection, str]) -> None:
+    conn, schema = loaded
+    rows = conn.execute(
+        queries(schema)["queue_depths"], {"schema": schema, "cap": DEFAULT_CAP, "now": None}
+    ).fetchall()
+    by_queue = {row[0]: row for row in rows}
+
+    assert len(by_queue) == 41
+    # 55,000 in "bulk" are above the cap: an estimate, from statistics of the whole table
+    bulk = by_queue["bulk"]
+    assert bulk[5] is False
+    assert 50_000 < bulk[1] + bulk[2] < 60_000
+    assert bulk[2] == 50  # every leased message is at the front of the delivery order
+    assert sum(row[3] for row in rows) == 2000  # delayed: 2,000 <= the cap, exact
+    assert sum(row[4] for row in rows) == 3000
