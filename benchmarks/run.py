@@ -68,7 +68,7 @@ SIZES = {
         latency_cap=15.0,
         idle_settle=3.0,
         idle_window=20.0,
-        deep_n=2_000_000,
+        deep_n=10_000_000,
         claim_reps=200,
         churn_n=50_000,
         bulk_n=1_000_000,
@@ -403,6 +403,8 @@ FIGURES: dict[str, tuple[str, str, str]] = {
     "claim1_deep": ("claim(1)+ack, deep backlog", "ms", "lower"),
     "claim100_shallow": ("claim(100)+ack_many, 10k backlog", "ms", "lower"),
     "claim100_deep": ("claim(100)+ack_many, deep backlog", "ms", "lower"),
+    "drain_shallow": ("drain by claim(100)+ack_many, 10k backlog", "msg/s", "higher"),
+    "drain_deep": ("drain by claim(100)+ack_many, deep backlog", "msg/s", "higher"),
     "claim1_churned": ("claim(1)+ack after churn_n acks, no vacuum", "ms", "lower"),
     "claim1_vacuumed": ("claim(1)+ack, same, after VACUUM", "ms", "lower"),
     "bulk_publish_rows": (
@@ -796,12 +798,32 @@ def bench_claim(ctx: Ctx, broker: Broker) -> dict[str, list[float]]:
     schema = broker.options["schema"]
     store = _store(broker)
     out: dict[str, list[float]] = {
-        k: [] for k in ("claim1_shallow", "claim1_deep", "claim100_shallow", "claim100_deep")
+        k: []
+        for k in (
+            "claim1_shallow",
+            "claim1_deep",
+            "claim100_shallow",
+            "claim100_deep",
+            "drain_shallow",
+            "drain_deep",
+        )
     }
     with psycopg.connect(PG_DSN, autocommit=True) as conn:
         log(f"  pgqueue: COPY {deep_n:,} messages into {schema}.message (deep backlog)")
         rate = _copy_rows(conn, schema, "deep", deep_n)
-        log(f"  pgqueue: loaded at {rate:,.0f} rows/s; VACUUM ANALYZE")
+        delayed = deep_n // 10
+        log(f"  pgqueue: loaded at {rate:,.0f} rows/s; {delayed:,} delayed ones beside them")
+        conn.execute(
+            psycopg.sql.SQL(
+                "INSERT INTO {}.message (queue, delayed, next_iteration, body, content_type,"
+                " content_encoding, headers, properties)"
+                " SELECT 'deep', true, now() + interval '1 day' + n * interval '1 ms',"
+                " '\\x7b7d', 'application/json', 'utf-8', '{{}}', '{{}}'"
+                " FROM generate_series(1, %s) AS n"
+            ).format(psycopg.sql.Identifier(schema)),
+            (delayed,),
+        )
+        log("  pgqueue: VACUUM ANALYZE")
         conn.execute(
             psycopg.sql.SQL("VACUUM ANALYZE {}.message").format(psycopg.sql.Identifier(schema))
         )
@@ -817,6 +839,8 @@ def bench_claim(ctx: Ctx, broker: Broker) -> dict[str, list[float]]:
             out["claim1_deep"].append(_claim_cost(store, "deep", 1, reps))
             out["claim100_shallow"].append(_claim_cost(store, shallow, 100, 20))
             out["claim100_deep"].append(_claim_cost(store, "deep", 100, 20))
+            out["drain_shallow"].append(100_000 / out["claim100_shallow"][-1])
+            out["drain_deep"].append(100_000 / out["claim100_deep"][-1])
             store.delete_queue(shallow)
         # churn: 50k claims+acks from the head of the deep queue leave dead index entries
         # in front of the live ones until (auto)vacuum runs
@@ -1004,6 +1028,8 @@ GROUP_FIGURES = {
         "claim1_deep",
         "claim100_shallow",
         "claim100_deep",
+        "drain_shallow",
+        "drain_deep",
         "claim1_churned",
         "claim1_vacuumed",
     ],
