@@ -58,9 +58,10 @@ Transport options
   (Celery: ``apply_async(..., dedup_key="...")``); with ``dedup_replace=True`` a
   waiting message with that key is replaced instead.
 * ``relax_consumer_commits`` (bool, True): claims, acks, renewals and releases commit
-  without waiting for the WAL flush (``SET LOCAL synchronous_commit = off`` in their
-  own transaction). A database crash can forget the last of them, which only causes a
-  redelivery. Publishes always wait for the flush.
+  without waiting for the WAL flush (each statement sets ``synchronous_commit`` to off
+  for its own commit, with ``set_config(..., true)``). A database crash can forget the
+  last of them, which only causes a redelivery. Publishes wait for the flush unless
+  the ``synchronous_commit`` option says otherwise.
 * ``sweep_interval`` (float, 30): seconds between removals of expired messages
   and unused ``x-expires`` queues.
 * ``listen`` (bool, True): wait on LISTEN/NOTIFY. Turn off behind PgBouncer in
