@@ -5,7 +5,8 @@ background thread deletes whatever was acked since its last statement, so while 
 commit waits on the disk the next batch gathers (a group commit that sizes itself).
 A process that dies right after ``ack()`` leaves the message leased: it is delivered
 again when the lease ends, which at-least-once allows. The same transport flushes
-pending acks before it claims, sizes or purges, so it always reads its own acks.
+pending acks before it sizes or purges, so those read its own acks; a claim need not
+wait, since an acked message keeps its lease until it is deleted.
 """
 
 from __future__ import annotations

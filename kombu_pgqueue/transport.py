@@ -453,7 +453,8 @@ class Channel(virtual.Channel):
     def fetch(self, queue: str, limit: int) -> list[dict[str, Any]]:
         """Claim up to ``limit`` messages of ``queue`` as Kombu payloads."""
         self._last_claim = time.monotonic()
-        self.connection.flush_acks()
+        # no flush of pending acks first: an acked message still holds its lease until
+        # the ack thread deletes it, so a claim cannot hand it out meanwhile
         if queue in self._noack_queues:
             return [self._payload(row, queue, 0) for row in self.store.take(queue, limit)]
         lease = new_lease()
