@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
+from typing import NoReturn
 
 import psycopg
 
@@ -13,19 +15,39 @@ from ._options import DEFAULT_SCHEMA, mask
 from .exceptions import PgQueueError
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, minus the echo of a password in its usage errors."""
+
+    def error(self, message: str) -> NoReturn:
+        message = re.sub(r"(://[^:/@\s]*:)[^@\s]*@", r"\1**@", message)
+        message = re.sub(r"(password\s*=\s*)\S+", r"\1**", message)
+        super().error(message)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kombu_pgqueue")
-    parser.add_argument(
+    # --dsn and --schema go before or after the command: `migrate --dsn ...` as the
+    # error messages print it, and `--dsn ... migrate` as well
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
         "--dsn",
-        default=os.environ.get("PGQUEUE_DSN", ""),
+        default=argparse.SUPPRESS,
         help="libpq connection string or URL (default: $PGQUEUE_DSN, then libpq's PG* variables)",
     )
-    parser.add_argument("--schema", default=DEFAULT_SCHEMA, help="broker schema (default: pgqueue)")
-    sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("migrate", help="install or upgrade the broker schema")
-    sub.add_parser("version", help="print the schema's version and the one this code needs")
-    sub.add_parser("sql", help="print the migrations' SQL for the schema, to apply by hand")
+    common.add_argument(
+        "--schema", default=argparse.SUPPRESS, help="broker schema (default: pgqueue)"
+    )
+    parser = _Parser(prog="python -m kombu_pgqueue", parents=[common])
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    sub.add_parser("migrate", parents=[common], help="install or upgrade the broker schema")
+    sub.add_parser(
+        "version", parents=[common], help="print the schema's version and the one this code needs"
+    )
+    sub.add_parser(
+        "sql", parents=[common], help="print the migrations' SQL for the schema, to apply by hand"
+    )
     args = parser.parse_args(argv)
+    args.dsn = getattr(args, "dsn", os.environ.get("PGQUEUE_DSN", ""))
+    args.schema = getattr(args, "schema", DEFAULT_SCHEMA)
 
     if args.command == "sql":
         with psycopg.connect(args.dsn) as conn:
