@@ -137,6 +137,9 @@ def make_brokers(prefix: str) -> dict[str, Broker]:
         ),
         "redis": Broker("redis", REDIS_URL),
         "rabbitmq": Broker("rabbitmq", AMQP_URL),
+        # RabbitMQ with publisher confirms: a publish returns once the broker has the
+        # message, as a pgqueue publish returns once it is committed (durable queues)
+        "rabbitmq_confirm": Broker("rabbitmq_confirm", AMQP_URL, {"confirm_publish": True}),
         "sqla": Broker(
             "sqla",
             "sqla+postgresql+psycopg://postgres@127.0.0.1/test",
@@ -1171,7 +1174,7 @@ def cleanup(ctx: Ctx) -> None:
         if not broker.available:
             continue
         try:
-            if name == "rabbitmq":
+            if name.startswith("rabbitmq"):
                 with Connection(broker.url) as conn:
                     ch = conn.channel()
                     for q in sorted(ctx.queues.get(name, ())):
@@ -1259,7 +1262,7 @@ def build_table(
                     row.append("absent")
                 elif group in ONLY_FOR and n not in ONLY_FOR[group]:
                     row.append("n/a")
-                elif n == "pgqueue_async" and group not in VARIANT_GROUPS:
+                elif n in ("pgqueue_async", "rabbitmq_confirm") and group not in VARIANT_GROUPS:
                     row.append("n/a")
                 elif not per.get(n):
                     row.append(
@@ -1429,7 +1432,9 @@ def main(argv: list[str] | None = None) -> int:
         help="runs per figure (median, min-max); default 3, or 1 with --quick",
     )
     parser.add_argument("--only", default="", help="comma-separated: " + ",".join(GROUPS))
-    parser.add_argument("--brokers", default="pgqueue,pgqueue_async,redis,rabbitmq,sqla")
+    parser.add_argument(
+        "--brokers", default="pgqueue,pgqueue_async,redis,rabbitmq,rabbitmq_confirm,sqla"
+    )
     parser.add_argument("--deep", type=int, default=None, help="deep-backlog size for 'claim'")
     parser.add_argument("--eta", type=int, default=None, help="number of ETA tasks for 'eta_rss'")
     parser.add_argument("--markdown", default=None, help="also write the report as Markdown here")
