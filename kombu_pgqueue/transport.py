@@ -168,14 +168,29 @@ class QoS(virtual.QoS):
     def ack(self, delivery_tag: str) -> None:
         message_id, lease = _parse_tag(delivery_tag)
         _counters.add("acked")
-        acks = self.channel.connection.acks
+        # a channel closed by a reconnect (the database restarted) has no connection,
+        # but a task that finishes afterwards still acks through it: send that ack
+        # directly, and if the database cannot take it, the lease runs out and the
+        # message is delivered again (at-least-once), never a crashed worker
+        transport = self.channel.connection
+        acks = transport.acks if transport is not None else None
         if acks is not None:
             acks.add(message_id, lease)
-        elif not self.channel.store.ack(message_id, lease):
-            logger.warning(
-                "pgqueue: ack of message %s came after its lease ended; it may run again",
-                message_id,
-            )
+        else:
+            try:
+                done = self.channel.store.ack(message_id, lease)
+            except psycopg.Error as exc:
+                logger.warning(
+                    "pgqueue: ack of message %s failed (%r); it runs again when its lease ends",
+                    message_id,
+                    exc,
+                )
+                done = True
+            if not done:
+                logger.warning(
+                    "pgqueue: ack of message %s came after its lease ended; it may run again",
+                    message_id,
+                )
         super().ack(delivery_tag)
 
     def reject(self, delivery_tag: str, requeue: bool = False) -> None:
@@ -219,6 +234,8 @@ class Channel(virtual.Channel):
     def __init__(self, connection: Transport, **kwargs: Any) -> None:
         super().__init__(connection, **kwargs)
         self.store: Store = connection.store
+        # kept here: Kombu clears channel.connection when the channel closes
+        self._dedup_task_ids = connection.options.dedup_task_ids
         self._noack_queues: set[str] = set()
         self._last_claim = 0.0
 
@@ -364,7 +381,7 @@ class Channel(virtual.Channel):
         key = properties.get("dedup_key") or headers.get("dedup_key")
         if key is not None:
             return check_name("dedup key", str(key))
-        if self.connection.options.dedup_task_ids and headers.get("task") and headers.get("id"):
+        if self._dedup_task_ids and headers.get("task") and headers.get("id"):
             # a Celery publish that is retried after its commit reached the server
             # carries the same id and retry count: it must not queue the task twice
             return task_dedup_key(headers["id"], headers.get("retries"))

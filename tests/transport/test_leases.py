@@ -127,3 +127,22 @@ def test_release_leaves_acked_and_rejected_messages_alone(
     assert back is not None and back.payload == kept.payload
     assert other.basic_get("mixed") is None
     assert [d.reason for d in other.store.dead_letters("mixed")] == ["rejected"]
+
+
+@pytest.mark.parametrize("batch_acks", [True, False])
+@pytest.mark.parametrize("action", ["ack", "reject", "requeue"])
+def test_a_late_ack_on_a_closed_channel_is_no_crash_and_loses_nothing(
+    make_connection: Callable[..., Connection], action: str, batch_acks: bool
+) -> None:
+    """Celery reopens its channel after a database restart; a task that finishes
+    afterwards acks on the old one. That must not raise (it killed workers), and the
+    message, released when the channel closed, is delivered again."""
+    conn = make_connection(batch_acks=batch_acks)
+    _fill(conn, "late", 1)
+    channel = conn.channel()
+    message = channel.basic_get("late")
+    assert message is not None
+    channel.close()
+    getattr(message, action)()
+    again = conn.channel().basic_get("late")
+    assert again is not None and again.payload == 0

@@ -1,0 +1,302 @@
+"""The broker with least-privileged roles, as docs/operations.md describes them.
+
+* an owner role that may create a schema in the database, owns the broker schema and
+  runs the migrations;
+* an app role (publishes) and a worker role (consumes): ``USAGE`` on the schema and
+  ``SELECT, INSERT, UPDATE, DELETE`` on its tables, nothing more, ``auto_migrate`` off.
+
+Roles are cluster-wide, so each test makes its own with unique names and drops them.
+Also: a password never shows in errors, logs or ``repr``.
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+import psycopg
+import pytest
+from kombu import Connection, Consumer, Exchange, Producer, Queue
+from psycopg import errors, sql
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+import kombu_pgqueue
+from kombu_pgqueue import PrivilegeError
+from kombu_pgqueue.embedded import broker_url
+
+SECRET = "S3cr3t-pw_" + uuid.uuid4().hex[:8]
+
+
+@dataclass
+class Roles:
+    owner: str
+    app: str
+    worker: str
+    dsn: str
+
+    def dsn_for(self, role: str, **extra: str) -> str:
+        params = conninfo_to_dict(self.dsn) if self.dsn else {}
+        params.update(user=role, **extra)
+        return make_conninfo(**params)
+
+    def url_for(self, role: str) -> str:
+        return broker_url(self.dsn_for(role))
+
+
+def _ident(name: str) -> sql.Identifier:
+    return sql.Identifier(name)
+
+
+@pytest.fixture
+def roles(dsn: str, db: psycopg.Connection, schema: str) -> Iterator[Roles]:
+    tag = uuid.uuid4().hex[:10]
+    made = Roles(f"pgq_owner_{tag}", f"pgq_app_{tag}", f"pgq_worker_{tag}", dsn)
+    dbname = db.execute("SELECT current_database()").fetchone()[0]  # type: ignore[index]
+    try:
+        for role in (made.owner, made.app, made.worker):
+            db.execute(
+                sql.SQL("CREATE ROLE {} LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE").format(
+                    _ident(role)
+                )
+            )
+        db.execute(
+            sql.SQL("GRANT CREATE ON DATABASE {} TO {}").format(_ident(dbname), _ident(made.owner))
+        )
+        # the owner installs the schema and grants exactly what operations.md lists
+        kombu_pgqueue.migrate(made.dsn_for(made.owner), schema)
+        with psycopg.connect(made.dsn_for(made.owner), autocommit=True) as owner:
+            for role in (made.app, made.worker):
+                owner.execute(
+                    sql.SQL("GRANT USAGE ON SCHEMA {} TO {}").format(_ident(schema), _ident(role))
+                )
+                owner.execute(
+                    sql.SQL(
+                        "GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA {} TO {}"
+                    ).format(_ident(schema), _ident(role))
+                )
+        yield made
+    finally:
+        for role in (made.app, made.worker, made.owner):
+            exists = db.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", (role,)).fetchone()
+            if exists:
+                # drops the schema the owner owns and revokes every grant, then the role
+                db.execute(sql.SQL("DROP OWNED BY {} CASCADE").format(_ident(role)))
+                db.execute(sql.SQL("DROP ROLE {}").format(_ident(role)))
+
+
+def _count(db: psycopg.Connection, schema: str, table: str) -> int:
+    row = db.execute(
+        sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(schema, table))
+    ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def _connect(roles: Roles, role: str, schema: str) -> Connection:
+    conn = Connection(
+        roles.url_for(role),
+        transport_options={
+            "schema": schema,
+            "auto_migrate": False,
+            "polling_interval": 0.5,
+            "batch_acks": False,
+        },
+    )
+    conn.connect()
+    return conn
+
+
+def test_the_roles_are_not_superusers_and_the_owner_owns_the_schema(
+    roles: Roles, db: psycopg.Connection, schema: str
+) -> None:
+    rows = db.execute(
+        "SELECT rolname, rolsuper, rolcreatedb, rolcreaterole FROM pg_roles "
+        "WHERE rolname = ANY(%s) ORDER BY rolname",
+        ([roles.owner, roles.app, roles.worker],),
+    ).fetchall()
+    assert [r[1:] for r in rows] == [(False, False, False)] * 3
+    owner = db.execute(
+        "SELECT pg_get_userbyid(nspowner) FROM pg_namespace WHERE nspname = %s", (schema,)
+    ).fetchone()
+    assert owner == (roles.owner,)
+
+
+def test_app_publishes_and_worker_consumes_acks_requeues_and_dead_letters(
+    roles: Roles, db: psycopg.Connection, schema: str
+) -> None:
+    app = _connect(roles, roles.app, schema)
+    worker = _connect(roles, roles.worker, schema)
+    try:
+        exchange = Exchange("lp-x", "direct")
+        queue = Queue("lp", exchange, routing_key="lp")
+        producer = Producer(app)
+        producer.publish({"n": 1}, exchange=exchange, routing_key="lp", declare=[queue])
+        producer.publish({"n": 2}, routing_key="lp")
+        producer.publish({"n": 3}, routing_key="lp", headers={"dedup_key": "three"})
+        producer.publish({"n": 3}, routing_key="lp", headers={"dedup_key": "three"})
+
+        got: list[int] = []
+
+        def on_message(body: dict[str, int], message: Any) -> None:
+            got.append(body["n"])
+            if body["n"] == 2 and got.count(2) == 1:
+                message.requeue()  # an UPDATE
+            elif body["n"] == 3:
+                message.reject()  # INSERT into dead_letter, DELETE from message
+            else:
+                message.ack()  # a DELETE
+
+        # and a delayed message: the consumer's poll promotes it when due (an UPDATE)
+        soon = datetime.now(timezone.utc) + timedelta(seconds=1)
+        producer.publish({"n": 4}, routing_key="lp", headers={"eta": soon.isoformat()})
+        deadline = time.monotonic() + 30
+        with Consumer(worker, [queue], callbacks=[on_message], prefetch_count=1):
+            while sorted(got) != [1, 2, 2, 3, 4]:
+                assert time.monotonic() < deadline, got
+                try:
+                    worker.drain_events(timeout=1)
+                except TimeoutError:
+                    pass
+
+        assert _count(db, schema, "message") == 0
+        dead = db.execute(
+            sql.SQL("SELECT reason FROM {}").format(sql.Identifier(schema, "dead_letter"))
+        ).fetchall()
+        assert dead == [("rejected",)]
+    finally:
+        app.release()
+        worker.release()
+
+
+@pytest.mark.parametrize(
+    "statement",
+    [
+        "DROP TABLE {schema}.message",
+        "DROP SCHEMA {schema} CASCADE",
+        "TRUNCATE {schema}.message",
+        "ALTER TABLE {schema}.message ADD COLUMN evil text",
+        "CREATE TABLE {schema}.evil (id int)",
+        "DROP INDEX {schema}.message_ready_idx",
+        "CREATE INDEX evil_idx ON {schema}.message (queue)",
+    ],
+)
+@pytest.mark.parametrize("who", ["app", "worker"])
+def test_app_and_worker_roles_cannot_change_the_schema(
+    roles: Roles, db: psycopg.Connection, schema: str, statement: str, who: str
+) -> None:
+    role = getattr(roles, who)
+    with psycopg.connect(roles.dsn_for(role), autocommit=True) as conn:
+        query = sql.SQL(statement.replace("{schema}", "{}")).format(sql.Identifier(schema))
+        with pytest.raises(errors.InsufficientPrivilege):
+            conn.execute(query)
+    assert _count(db, schema, "message") == 0
+    assert db.execute(
+        "SELECT count(*) FROM pg_tables WHERE schemaname = %s AND tablename = 'message'",
+        (schema,),
+    ).fetchone() == (1,)
+
+
+def test_a_role_without_create_gets_a_privilege_error_naming_the_grant(
+    roles: Roles, dsn: str
+) -> None:
+    fresh = f"t_{uuid.uuid4().hex[:12]}"
+    conn = Connection(roles.url_for(roles.app), transport_options={"schema": fresh})
+    try:
+        with pytest.raises(PrivilegeError) as caught:
+            conn.connect()
+    finally:
+        conn.release()
+    text = str(caught.value)
+    assert roles.app in text and fresh in text
+    assert "migrate" in text  # the command to run instead
+
+
+def test_auto_migrate_off_with_an_installed_schema_needs_no_owner_rights(
+    roles: Roles, schema: str
+) -> None:
+    conn = _connect(roles, roles.worker, schema)
+    try:
+        assert conn.default_channel.store.size("nothing") == 0
+    finally:
+        conn.release()
+
+
+# -- passwords ---------------------------------------------------------------------------
+
+
+def _wrong_credentials_url(dsn: str) -> str:
+    # a role that does not exist, with a password: refused by every auth method, so
+    # the error path runs whether the server trusts local connections or not
+    params = conninfo_to_dict(dsn) if dsn else {}
+    params.update(user=f"pgq_nobody_{uuid.uuid4().hex[:8]}", password=SECRET)
+    return broker_url(make_conninfo(**params))
+
+
+def test_a_refused_connection_never_shows_the_password(
+    dsn: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    url = _wrong_credentials_url(dsn)
+    assert SECRET in url  # the test would prove nothing otherwise
+    conn = Connection(url, transport_options={"schema": "pgq_never", "connect_timeout": 5})
+    caplog.set_level(logging.DEBUG)
+    try:
+        with pytest.raises(psycopg.OperationalError) as caught:
+            conn.connect()
+        uri = conn.as_uri()
+        shown = [str(caught.value), repr(caught.value), uri, repr(conn), str(conn)]
+    finally:
+        conn.release()
+
+    assert "**" in uri and uri.startswith("pgqueue://")
+    chained = caught.value.__cause__ or caught.value.__context__
+    if chained is not None:
+        shown.append(str(chained))
+    shown.append(caplog.text)
+    for text in shown:
+        assert SECRET not in text, text
+
+
+def test_the_libpq_url_form_masks_the_password_too(dsn: str) -> None:
+    url = "pgqueue+" + _wrong_credentials_url(dsn).replace("pgqueue://", "postgresql://", 1)
+    conn = Connection(url)
+    try:
+        assert SECRET not in conn.as_uri()
+        assert SECRET not in repr(conn)
+        with pytest.raises(psycopg.OperationalError) as caught:
+            conn.connect()
+        assert SECRET not in str(caught.value)
+    finally:
+        conn.release()
+
+
+def _migrate_command(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kombu_pgqueue", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_the_migrate_command_never_prints_the_password(dsn: str) -> None:
+    url = _wrong_credentials_url(dsn).replace("pgqueue://", "postgresql://", 1)
+    done = _migrate_command("--dsn", url, "--schema", "pgq_never", "migrate")
+    assert done.returncode == 2, done.stderr
+    assert SECRET not in done.stdout + done.stderr
+    assert "cannot connect to" in done.stderr and "pgq_nobody_" in done.stderr
+
+
+def test_the_documented_migrate_command_works_and_hides_the_password(dsn: str) -> None:
+    # README and operations.md put --dsn/--schema after the command; a usage error
+    # from argparse would echo the whole DSN, password included
+    url = _wrong_credentials_url(dsn).replace("pgqueue://", "postgresql://", 1)
+    done = _migrate_command("migrate", "--dsn", url, "--schema", "pgq_never")
+    assert SECRET not in done.stdout + done.stderr
+    assert done.returncode == 2, done.stderr  # refused by the server, not by argparse
