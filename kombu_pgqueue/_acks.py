@@ -15,6 +15,8 @@ import logging
 import os
 import threading
 
+import psycopg
+
 from ._store import Store
 
 logger = logging.getLogger(__name__)
@@ -55,7 +57,13 @@ class AckBatcher:
                 return 0
             ids, leases = self._ids, self._leases
             self._ids, self._leases = [], []
-        done = self.store.ack_many(ids, leases)
+        try:
+            done = self.store.ack_many(ids, leases)
+        except psycopg.OperationalError:
+            # a pooled connection the server closed (a restart): drop the dead ones and
+            # try once more, so these acks are not lost to a redelivery
+            self.store.check_pool()
+            done = self.store.ack_many(ids, leases)
         if done < len(ids):
             logger.warning(
                 "pgqueue: %d of %d acks came after their lease ended; those messages may run again",
