@@ -278,7 +278,9 @@ class Store:
             detail = exc.diag.message_primary or str(exc)
             raise MessageError(f"{name} on schema {self.schema!r}: {detail}") from exc
 
-    def _rows(self, name: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
+    def _rows(
+        self, name: str, params: dict[str, Any], *, prepare: bool | None = None
+    ) -> list[tuple[Any, ...]]:
         if name in _PUBLISHES:
             enlisted = transactions.current()
             if enlisted is not None:
@@ -288,7 +290,7 @@ class Store:
             # the statement itself turns synchronous_commit off for its own commit
             params["synchronous_commit"] = "off" if self.options.relax_consumer_commits else None
         with self._translated(name), self.pool.connection() as conn:
-            cur = conn.execute(self._q[name], params)
+            cur = conn.execute(self._q[name], params, prepare=prepare)
             return cur.fetchall() if cur.description else []
 
     def _one(self, name: str, params: dict[str, Any]) -> tuple[Any, ...] | None:
@@ -342,8 +344,19 @@ class Store:
     # -- consuming ---------------------------------------------------------------
 
     def claim(
-        self, queue: str, limit: int, lease: int, now: datetime | None = None
+        self,
+        queue: str,
+        limit: int,
+        lease: int,
+        now: datetime | None = None,
+        after: tuple[int, int] | None = None,
     ) -> list[Delivered]:
+        """Lease up to ``limit`` ready messages, from the head of the queue.
+
+        ``after`` = (priority, id) claims only messages of that priority with a larger
+        id: the index scan starts right there. It is planned with its values (never from
+        a prepared generic plan), which is what lets PostgreSQL start the scan there.
+        """
         rows = self._rows(
             "claim",
             {
@@ -353,7 +366,10 @@ class Store:
                 "lease_seconds": self.options.visibility_timeout,
                 "max_attempts": self.options.claim_attempt_limit,
                 "now": now,
+                "after_priority": None if after is None else after[0],
+                "after_id": None if after is None else after[1],
             },
+            prepare=False if after is not None else None,
         )
         return [Delivered(*row) for row in rows]
 

@@ -111,6 +111,13 @@ UNLIMITED_BATCH = 100
 #: seconds a consumer that still holds messages waits for half its window to free
 CLAIM_BATCH_WAIT = 0.05
 
+#: a claim from the head slower than this (it stepped over many acked rows that VACUUM
+#: may not remove yet, e.g. while an old snapshot is held) makes the consumer resume
+#: after its last message for RESUME_SECONDS; then it claims from the head again, which
+#: also picks up requeued messages and higher priorities
+SLOW_CLAIM_SECONDS = 0.005
+RESUME_SECONDS = 1.0
+
 
 def _parse_tag(delivery_tag: str) -> tuple[int, int]:
     message_id, _, lease = str(delivery_tag).partition(".")
@@ -238,6 +245,8 @@ class Channel(virtual.Channel):
         self._dedup_task_ids = connection.options.dedup_task_ids
         self._noack_queues: set[str] = set()
         self._last_claim = 0.0
+        #: queue -> (priority, id, until): where this channel resumes claiming, see _claim
+        self._resume: dict[str, tuple[int, int, float]] = {}
 
     # -- declarations ----------------------------------------------------------
 
@@ -475,11 +484,31 @@ class Channel(virtual.Channel):
         if queue in self._noack_queues:
             return [self._payload(row, queue, 0) for row in self.store.take(queue, limit)]
         lease = new_lease()
-        rows = self.store.claim(queue, limit, lease)
+        rows = self._claim(queue, limit, lease)
         if rows:
             _counters.add("claimed", queue, len(rows))
             _counters.add("redelivered", queue, sum(row.attempts > 1 for row in rows))
         return [self._payload(row, queue, lease) for row in rows]
+
+    def _claim(self, queue: str, limit: int, lease: int) -> list[Delivered]:
+        now = time.monotonic()
+        resume = self._resume.get(queue)
+        if resume is None or now >= resume[2]:
+            began = time.perf_counter()
+            rows = self.store.claim(queue, limit, lease)
+            if rows and time.perf_counter() - began > SLOW_CLAIM_SECONDS:
+                self._resume[queue] = (rows[-1].priority, rows[-1].id, now + RESUME_SECONDS)
+            else:
+                self._resume.pop(queue, None)
+            return rows
+        rows = self.store.claim(queue, limit, lease, after=resume[:2])
+        if len(rows) < limit:
+            # the resumed range ran out: the rest from the head, and from the head again
+            self._resume.pop(queue, None)
+            rows += self.store.claim(queue, limit - len(rows), lease)
+        elif rows:
+            self._resume[queue] = (rows[-1].priority, rows[-1].id, resume[2])
+        return rows
 
     def _payload(self, row: Delivered, queue: str, lease: int) -> dict[str, Any]:
         properties = loads(row.properties)

@@ -168,6 +168,11 @@ WITH candidate AS MATERIALIZED (
       AND NOT delayed
       AND next_iteration <= coalesce(%(now)s::timestamptz, now())
       AND (expires_at IS NULL OR expires_at > coalesce(%(now)s::timestamptz, now()))
+      -- a consumer may resume after its last claimed message (same priority, larger
+      -- id): planned with the values, the index scan then starts there, past acked rows
+      -- that an old snapshot keeps VACUUM from removing. NULL: from the head.
+      AND (%(after_id)s::bigint IS NULL
+           OR (priority = %(after_priority)s::smallint AND id > %(after_id)s::bigint))
       -- relax_consumer_commits: 'off' here spares this commit the WAL flush wait; a crash
       -- can then forget it, which only delivers a message again (NULL: the server's setting)
       AND (SELECT set_config('synchronous_commit',

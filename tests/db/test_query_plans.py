@@ -82,7 +82,15 @@ def _indexes(nodes: list[dict[str, Any]]) -> set[str]:
 def _params(name: str, now: datetime) -> dict[str, Any]:
     lease = {"lease": 42, "lease_seconds": 60.0, "synchronous_commit": "off"}
     return {
-        "claim": {"queue": "q7", "limit": 10, "max_attempts": 5, "now": None, **lease},
+        "claim": {
+            "queue": "q7",
+            "limit": 10,
+            "max_attempts": 5,
+            "now": None,
+            "after_priority": None,
+            "after_id": None,
+            **lease,
+        },
         "take": {"queue": "q7", "limit": 10, "now": None},
         "poll": {"queues": ["q1", "q2"], "now": now + timedelta(seconds=10), "channel": "c"},
         "ack": {"id": 123, "lease": 42, "synchronous_commit": "off"},

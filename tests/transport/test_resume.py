@@ -1,0 +1,91 @@
+"""Claims that resume after the consumer's last message (see Channel._claim).
+
+With an old snapshot held elsewhere, acked rows at the head of a queue cannot be
+vacuumed and a claim from the head steps over all of them; a consumer whose claim was
+slow resumes after its last message instead, and goes back to the head every
+RESUME_SECONDS, and whenever the resumed range runs out.
+"""
+
+from __future__ import annotations
+
+import psycopg
+import pytest
+from kombu import Connection, Producer, Queue
+from psycopg import sql
+
+from kombu_pgqueue import transport
+from kombu_pgqueue._store import Store, new_lease
+
+
+def _fill(conn: Connection, queue: str, bodies: list[object], priority: int = 0) -> None:
+    producer = Producer(conn)
+    for body in bodies:
+        producer.publish(body, routing_key=queue, declare=[Queue(queue)], priority=priority)
+
+
+def test_store_claim_after_takes_only_later_ids_of_that_priority(
+    connection: Connection, store: Store
+) -> None:
+    _fill(connection, "r", list(range(6)))
+    _fill(connection, "r", ["high"], priority=9)
+    first = store.claim("r", 2, new_lease())
+    assert [row.priority for row in first] == [9, 0]
+    after = (0, first[-1].id)
+    rest = store.claim("r", 10, new_lease(), after=after)
+    assert [row.id for row in rest] == sorted(row.id for row in rest)
+    assert all(row.priority == 0 and row.id > first[-1].id for row in rest)
+    assert len(rest) == 5
+
+
+def test_a_resuming_consumer_still_delivers_everything_once_with_a_snapshot_held(
+    connection: Connection, dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(transport, "SLOW_CLAIM_SECONDS", 0.0)  # every claim counts as slow
+    monkeypatch.setattr(transport, "RESUME_SECONDS", 3600.0)
+    _fill(connection, "snap", list(range(40)))
+    with psycopg.connect(dsn) as holder:
+        holder.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+        holder.execute("SELECT 1")  # the snapshot that keeps VACUUM from removing acked rows
+        channel = connection.channel()
+        got = []
+        requeued = False
+        while True:
+            message = channel.basic_get("snap")
+            if message is None:
+                break
+            assert channel._resume.get("snap") is not None or len(got) == 0 or requeued
+            if message.payload == 5 and not requeued:
+                message.requeue()  # an older id becomes ready behind the resume position
+                requeued = True
+                continue
+            got.append(message.payload)
+            message.ack()
+        holder.rollback()
+    assert sorted(got) == list(range(40))
+    assert len(got) == 40
+    # the requeued message came back once the resumed range ran out
+    assert got[-1] == 5
+
+
+def test_the_resumed_claim_starts_the_index_scan_at_the_position(
+    connection: Connection, store: Store, db: psycopg.Connection
+) -> None:
+    _fill(connection, "plan", list(range(3)))
+    from kombu_pgqueue import _sql
+
+    params = {
+        "queue": "plan",
+        "limit": 10,
+        "lease": 1,
+        "lease_seconds": 60.0,
+        "max_attempts": 5,
+        "now": None,
+        "after_priority": 0,
+        "after_id": 1,
+        "synchronous_commit": None,
+    }
+    query = sql.SQL("EXPLAIN (FORMAT TEXT) ") + _sql.queries(store.schema)["claim"]
+    plan = "\n".join(row[0] for row in db.execute(query, params, prepare=False))
+    assert "Seq Scan on message" not in plan
+    # the position is part of the index condition: the scan starts there
+    assert "(priority = '0'::smallint) AND (id > '1'::bigint))" in plan
