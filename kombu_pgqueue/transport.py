@@ -113,8 +113,9 @@ CLAIM_BATCH_WAIT = 0.05
 
 #: a claim from the head slower than this (it stepped over many acked rows that VACUUM
 #: may not remove yet, e.g. while an old snapshot is held) makes the consumer resume
-#: after its last message for RESUME_SECONDS; then it claims from the head again, which
-#: also picks up requeued messages and higher priorities
+#: after its last message for RESUME_SECONDS, or 20 times that claim's duration if
+#: longer; then it claims from the head again, which also picks up requeued messages and
+#: higher priorities (they wait that long at most, and only while the head is slow)
 SLOW_CLAIM_SECONDS = 0.005
 RESUME_SECONDS = 1.0
 
@@ -496,8 +497,12 @@ class Channel(virtual.Channel):
         if resume is None or now >= resume[2]:
             began = time.perf_counter()
             rows = self.store.claim(queue, limit, lease)
-            if rows and time.perf_counter() - began > SLOW_CLAIM_SECONDS:
-                self._resume[queue] = (rows[-1].priority, rows[-1].id, now + RESUME_SECONDS)
+            took = time.perf_counter() - began
+            if rows and took > SLOW_CLAIM_SECONDS:
+                # the slower the head, the longer until the next look at it (at most
+                # about 5 % of the time goes to claims from the head)
+                until = now + max(RESUME_SECONDS, 20 * took)
+                self._resume[queue] = (rows[-1].priority, rows[-1].id, until)
             else:
                 self._resume.pop(queue, None)
             return rows
