@@ -177,6 +177,21 @@ def load_staged(
     return inserted
 
 
+def _copy(
+    conn: psycopg.Connection,
+    statement: Any,
+    rows: Iterable[Sequence[Any]],
+    types: list[str] | None,
+) -> None:
+    """Stream ``rows`` into one COPY; ``types`` for binary format, None for text."""
+    with conn.cursor().copy(statement) as copy:
+        if types is not None:
+            copy.set_types(types)
+        write = copy.write_row
+        for row in rows:
+            write(row)
+
+
 def _copy_direct(
     conn: psycopg.Connection,
     statements: dict[str, Any],
@@ -184,15 +199,11 @@ def _copy_direct(
     binary: bool,
 ) -> bool:
     """COPY rows straight into the queue table; False (and nothing written) on a taken key."""
+    types = [kind for name, kind in STAGING_COLUMNS if name != "eta"] if binary else None
     try:
         with conn.transaction():  # a savepoint: a taken key undoes only this COPY
             name = "copy_direct_binary" if binary else "copy_direct"
-            with conn.cursor().copy(statements[name]) as copy:
-                if binary:
-                    copy.set_types([kind for n, kind in STAGING_COLUMNS if n != "eta"])
-                write = copy.write_row
-                for row in rows:
-                    write(row[:2] + row[3:])
+            _copy(conn, statements[name], (row[:2] + row[3:] for row in rows), types)
     except errors.UniqueViolation:
         return False
     return True
@@ -207,14 +218,8 @@ def _copy_staged(
     binary: bool,
 ) -> int:
     conn.execute(statements["create_staging"])
-    with conn.cursor().copy(
-        statements["copy_staging_binary" if binary else "copy_staging"]
-    ) as copy:
-        if binary:
-            copy.set_types([kind for _, kind in STAGING_COLUMNS])
-        write = copy.write_row
-        for row in rows:
-            write(row)
+    types = [kind for _, kind in STAGING_COLUMNS] if binary else None
+    _copy(conn, statements["copy_staging_binary" if binary else "copy_staging"], rows, types)
     found = conn.execute(
         statements["publish_staged"], {"channel": channel, "ordered": ordered}
     ).fetchall()
