@@ -273,15 +273,22 @@ def load(ctx: Context, rate: float, vacuum_every: float) -> Result:
 # -- 7. snapshot ---------------------------------------------------------------------------
 
 
-def backlog_producer(dsn: str, schema: str, stop: Any, low: int, high: int) -> None:
-    """Keep ``low`` to ``high`` messages waiting, in COPY batches."""
+def backlog_producer(
+    dsn: str, schema: str, stop: Any, low: int, high: int, consumed: list[Any]
+) -> None:
+    """Keep ``low`` to ``high`` messages waiting, in COPY batches.
+
+    The backlog is what this producer sent minus what the consumers counted (shared
+    counters), not ``store.size()``: a count over the queue steps over every dead row an
+    open snapshot keeps, which would make the producer, not the broker, the bottleneck.
+    """
     conn = _connection(dsn, schema)
-    store = conn.default_channel.store
+    sent = 0
     while not stop.is_set():
-        if store.size(QUEUE) < low:
-            publish_many(
-                conn, ({"p": 0, "s": 0, "t": time.time()} for _ in range(high - low)), QUEUE
-            )
+        if sent - sum(c.value for c in consumed) < low:
+            batch = high - low
+            publish_many(conn, ({"p": 0, "s": 0, "t": time.time()} for _ in range(batch)), QUEUE)
+            sent += batch
         else:
             stop.wait(0.05)
     conn.release()
@@ -303,7 +310,12 @@ def snapshot(ctx: Context, vacuum_every: float) -> Result:
                 args=(ctx.dsn, run.schema, run.run_id, t0, stop_cons, results, c, False),
             )
             for c in counters
-        ] + [mp.Process(target=backlog_producer, args=(ctx.dsn, run.schema, stop_prod, 2000, 6000))]
+        ] + [
+            mp.Process(
+                target=backlog_producer,
+                args=(ctx.dsn, run.schema, stop_prod, 2000, 6000, counters),
+            )
+        ]
         vac_stop = threading.Event()
         samples: list[tuple[float, int]] = []
         marks: dict[str, float] = {}
