@@ -11,9 +11,19 @@ import re
 from functools import cache
 from importlib import resources
 
+import psycopg
 from psycopg import sql
 
 _HEADER = re.compile(r"^-- name: (?P<name>\w+) :(?P<kind>one|many|none)\s*$", re.MULTILINE)
+
+
+def _named(text: str, source: str, found: dict[str, str]) -> None:
+    headers = list(_HEADER.finditer(text))
+    for header, following in zip(headers, headers[1:] + [None]):
+        end = following.start() if following else len(text)
+        if header["name"] in found:
+            raise RuntimeError(f"query {header['name']!r} is named twice ({source})")
+        found[header["name"]] = text[header.end() : end].strip()
 
 
 @cache
@@ -26,16 +36,28 @@ def raw_queries() -> dict[str, str]:
     folder = resources.files(__package__).joinpath("sql")
     found: dict[str, str] = {}
     for entry in sorted(folder.iterdir(), key=lambda e: e.name):
-        if not entry.name.endswith(".sql"):
-            continue
-        text = entry.read_text(encoding="utf-8")
-        headers = list(_HEADER.finditer(text))
-        for header, following in zip(headers, headers[1:] + [None]):
-            end = following.start() if following else len(text)
-            if header["name"] in found:
-                raise RuntimeError(f"query {header['name']!r} is named twice ({entry.name})")
-            found[header["name"]] = text[header.end() : end].strip()
+        if entry.name.endswith(".sql"):
+            _named(entry.read_text(encoding="utf-8"), entry.name, found)
     return found
+
+
+@cache
+def _advice_texts() -> dict[str, str]:
+    found: dict[str, str] = {}
+    entry = resources.files(__package__).joinpath("sql", "advice", "grants.sql")
+    _named(entry.read_text(encoding="utf-8"), "advice/grants.sql", found)
+    return found
+
+
+def advice(name: str, conn: psycopg.Connection, **identifiers: str) -> str:
+    """A statement from ``sql/advice/grants.sql`` for an administrator, as text.
+
+    Never executed by pgqueue: error messages print it. Names are quoted as identifiers.
+    """
+    composed = sql.SQL(_advice_texts()[name]).format(
+        **{key: sql.Identifier(value) for key, value in identifiers.items()}
+    )
+    return " ".join(composed.as_string(conn).split())
 
 
 @cache

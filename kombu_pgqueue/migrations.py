@@ -50,9 +50,10 @@ def _privilege_error(conn: psycopg.Connection, schema: str, exc: Exception) -> P
     role = conn.info.parameter_status("session_authorization") or conn.info.user
     return PrivilegeError(
         f"role {role!r} may not create the pgqueue schema {schema!r} in database "
-        f"{conn.info.dbname!r} ({exc}). Grant it CREATE on the database "
-        f"(GRANT CREATE ON DATABASE {conn.info.dbname} TO {role}), or create the schema "
-        f"owned by it, or have an owner run: {MIGRATE_COMMAND.format(schema=schema)}"
+        f"{conn.info.dbname!r} ({exc}). Let it create schemas in that database ("
+        + _sql.advice("grant_create", conn, database=conn.info.dbname, role=role)
+        + f"), or create the schema owned by it, or have an owner run: "
+        f"{MIGRATE_COMMAND.format(schema=schema)}"
     )
 
 
@@ -118,9 +119,8 @@ def ensure(conn: psycopg.Connection, schema: str, *, auto_migrate: bool) -> None
         role = conn.info.parameter_status("session_authorization") or conn.info.user
         raise PrivilegeError(
             f"role {role!r} may not use the pgqueue schema {schema!r} in database "
-            f"{conn.info.dbname!r} ({exc.diag.message_primary}). Its owner can run "
-            f"GRANT USAGE ON SCHEMA {schema} TO {role} and GRANT SELECT, INSERT, UPDATE, "
-            f"DELETE ON ALL TABLES IN SCHEMA {schema} TO {role}"
+            f"{conn.info.dbname!r} ({exc.diag.message_primary}). Its owner can run: "
+            + _sql.advice("grant_usage", conn, schema=schema, role=role)
         ) from exc
     if have >= latest_version():
         return

@@ -31,8 +31,8 @@ class PartitionResult:
     enqueued: int
     skipped: int
     bad: int
-    copy_seconds: float  # reading rows, building messages and streaming them into COPY
-    insert_seconds: float  # the INSERT from staging, and the commit
+    copy_seconds: float  # reading rows and building messages
+    insert_seconds: float  # COPY (and the INSERT from staging, if needed) and the commit
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
