@@ -415,11 +415,21 @@ class Store:
         return {row[0] for row in self._rows("renew", params)}
 
     def poll(
-        self, queues: Sequence[str], now: datetime | None = None
+        self,
+        queues: Sequence[str],
+        now: datetime | None = None,
+        check: Sequence[str] | None = None,
     ) -> tuple[set[str], float | None]:
-        """Promote due delayed messages; return (queues with ready messages, next due epoch)."""
+        """Promote due delayed messages; return (queues with ready messages, next due epoch).
+
+        ``queues`` are kept alive (x-expires); only ``check`` (default: all of them) are
+        looked at for ready messages: each look walks the queue's head, which under a
+        long-open snapshot elsewhere steps over every message acked since it began.
+        """
+        check = list(queues) if check is None else list(check)
         rows = self._rows(
-            "poll", {"queues": list(queues), "now": now, "channel": self.options.channel}
+            "poll",
+            {"queues": list(queues), "check": check, "now": now, "channel": self.options.channel},
         )
         ready = {row[0] for row in rows if row[0] is not None}
         due = [row[1] for row in rows if row[1] is not None]

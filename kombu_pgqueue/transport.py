@@ -114,8 +114,9 @@ CLAIM_BATCH_WAIT = 0.05
 #: a claim from the head slower than this (it stepped over many acked rows that VACUUM
 #: may not remove yet, e.g. while an old snapshot is held) makes the consumer resume
 #: after its last message for RESUME_SECONDS, or 20 times that claim's duration if
-#: longer; then it claims from the head again, which also picks up requeued messages and
-#: higher priorities (they wait that long at most, and only while the head is slow)
+#: longer; then it claims from the head again, which also picks up requeued messages,
+#: lease expiries and higher priorities (they wait that long at most, plus a safety poll
+#: if nothing else wakes the consumer, and only while the head is slow)
 SLOW_CLAIM_SECONDS = 0.005
 RESUME_SECONDS = 1.0
 
@@ -507,12 +508,11 @@ class Channel(virtual.Channel):
                 self._resume.pop(queue, None)
             return rows
         rows = self.store.claim(queue, limit, lease, after=resume[:2])
-        if len(rows) < limit:
-            # the resumed range ran out: the rest from the head, and from the head again
-            self._resume.pop(queue, None)
-            rows += self.store.claim(queue, limit - len(rows), lease)
-        elif rows:
+        if rows:
             self._resume[queue] = (rows[-1].priority, rows[-1].id, resume[2])
+        # A short range means this consumer caught up with the producers; it does not go
+        # back to the head for the rest (that would cost a slow head walk per wakeup, as
+        # often as messages arrive): requeued and older messages wait for the period.
         return rows
 
     def _payload(self, row: Delivered, queue: str, lease: int) -> dict[str, Any]:
@@ -705,8 +705,15 @@ class Transport(virtual.Transport):
             self._deliver_pending()
 
     def _poll(self) -> None:
-        """The safety poll: promote due delayed messages and find ready queues."""
-        ready, next_due = self.store.poll(list(self._owner))
+        """The safety poll: promote due delayed messages and find ready queues.
+
+        A queue already pending is claimed from soon anyway: looking for ready messages
+        in it again would only cost a walk over its head.
+        """
+        owned = list(self._owner)
+        ready, next_due = self.store.poll(
+            owned, check=[q for q in owned if q not in self._pending]
+        )
         self._pending.update(ready)
         self._next_due = None
         if next_due is not None:

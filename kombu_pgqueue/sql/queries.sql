@@ -338,7 +338,8 @@ RETURNING m.id;
 -- name: poll :many
 -- The consumer's slow safety poll, one round trip: make due delayed messages ready
 -- (and wake everyone for them), keep this consumer's expiring queues alive, say
--- which of its queues have ready messages, and when the next delayed one is due.
+-- which of %(check)s (its queues it is not about to claim from anyway) have ready
+-- messages, and when the next delayed one is due.
 WITH due AS MATERIALIZED (
     SELECT id
     FROM {schema}.message
@@ -370,7 +371,7 @@ SELECT woken.queue, NULL::float8 AS next_due
 FROM woken
 UNION ALL
 SELECT ready.queue, NULL
-FROM unnest(%(queues)s::text[]) AS ready (queue)
+FROM unnest(%(check)s::text[]) AS ready (queue)
 WHERE EXISTS (
     SELECT 1
     FROM {schema}.message AS m

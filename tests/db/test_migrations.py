@@ -154,3 +154,18 @@ def test_role_without_table_privileges_gets_privilege_error_on_publish(
             conn.default_channel.store.size("q")
     finally:
         conn.release()
+
+
+def test_the_message_table_is_set_up_for_churn(dsn: str, schema: str, db: psycopg.Connection) -> None:
+    migrate(dsn, schema)
+
+    row = db.execute(
+        "SELECT reloptions FROM pg_class WHERE oid = %s::regclass",
+        (f"{sql.Identifier(schema).as_string(db)}.message",),
+    ).fetchone()
+
+    assert row is not None
+    options = dict(option.split("=", 1) for option in row[0])
+    assert options["vacuum_truncate"] == "false"
+    assert float(options["autovacuum_vacuum_scale_factor"]) <= 0.01
+    assert options["autovacuum_vacuum_cost_delay"] == "0"

@@ -503,3 +503,17 @@ def test_unbind_removes_one_binding(store: Store) -> None:
     store.unbind("ex", "k", "q1")
 
     assert store.bindings("ex") == [("k", None, "q2")]
+
+
+def test_poll_looks_for_ready_messages_only_in_the_queues_it_is_asked_to_check(
+    store: Store, later: Later
+) -> None:
+    store.declare_queue("kept", expires=1.0)
+    store.publish(outgoing("kept", "x"))
+    store.publish(outgoing("other", "x"))
+
+    ready, _ = store.poll(["kept", "other"], now=later(25), check=["other"])
+
+    assert ready == {"other"}
+    # an unchecked queue is still kept alive
+    assert store.sweep(now=later(40))["expired_queues"] == 0

@@ -3,10 +3,12 @@
 With an old snapshot held elsewhere, acked rows at the head of a queue cannot be
 vacuumed and a claim from the head steps over all of them; a consumer whose claim was
 slow resumes after its last message instead, and goes back to the head every
-RESUME_SECONDS, and whenever the resumed range runs out.
+RESUME_SECONDS (or 20 times the slow claim).
 """
 
 from __future__ import annotations
+
+import time
 
 import psycopg
 import pytest
@@ -41,30 +43,37 @@ def test_a_resuming_consumer_still_delivers_everything_once_with_a_snapshot_held
     connection: Connection, dsn: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(transport, "SLOW_CLAIM_SECONDS", 0.0)  # every claim counts as slow
-    monkeypatch.setattr(transport, "RESUME_SECONDS", 3600.0)
+    monkeypatch.setattr(transport, "RESUME_SECONDS", 3.0)
     _fill(connection, "snap", list(range(40)))
     with psycopg.connect(dsn) as holder:
         holder.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
         holder.execute("SELECT 1")  # the snapshot that keeps VACUUM from removing acked rows
         channel = connection.channel()
         got = []
-        requeued = False
-        while True:
+        requeued_at = caught_up_at = None
+        deadline = time.monotonic() + 30
+        while len(got) < 40 and time.monotonic() < deadline:
             message = channel.basic_get("snap")
             if message is None:
-                break
-            assert channel._resume.get("snap") is not None or len(got) == 0 or requeued
-            if message.payload == 5 and not requeued:
+                # caught up: the requeued message is behind the resume position, and
+                # is not looked for at the head before the resume period ends
+                caught_up_at = caught_up_at or time.monotonic()
+                time.sleep(0.05)
+                continue
+            assert channel._resume.get("snap") is not None or not got or requeued_at
+            if message.payload == 5 and requeued_at is None:
                 message.requeue()  # an older id becomes ready behind the resume position
-                requeued = True
+                requeued_at = time.monotonic()
                 continue
             got.append(message.payload)
             message.ack()
         holder.rollback()
     assert sorted(got) == list(range(40))
     assert len(got) == 40
-    # the requeued message came back once the resumed range ran out
+    # the requeued message came back last, once the resume period was over: before
+    # that, the caught-up consumer found nothing after its position
     assert got[-1] == 5
+    assert requeued_at is not None and caught_up_at is not None
 
 
 def test_the_resumed_claim_starts_the_index_scan_at_the_position(
