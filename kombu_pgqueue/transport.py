@@ -711,9 +711,7 @@ class Transport(virtual.Transport):
         in it again would only cost a walk over its head.
         """
         owned = list(self._owner)
-        ready, next_due = self.store.poll(
-            owned, check=[q for q in owned if q not in self._pending]
-        )
+        ready, next_due = self.store.poll(owned, check=[q for q in owned if q not in self._pending])
         self._pending.update(ready)
         self._next_due = None
         if next_due is not None:

@@ -156,7 +156,9 @@ def test_role_without_table_privileges_gets_privilege_error_on_publish(
         conn.release()
 
 
-def test_the_message_table_is_set_up_for_churn(dsn: str, schema: str, db: psycopg.Connection) -> None:
+def test_the_message_table_is_set_up_for_churn(
+    dsn: str, schema: str, db: psycopg.Connection
+) -> None:
     migrate(dsn, schema)
 
     row = db.execute(

@@ -92,7 +92,12 @@ def _params(name: str, now: datetime) -> dict[str, Any]:
             **lease,
         },
         "take": {"queue": "q7", "limit": 10, "now": None},
-        "poll": {"queues": ["q1", "q2"], "now": now + timedelta(seconds=10), "channel": "c"},
+        "poll": {
+            "queues": ["q1", "q2"],
+            "check": ["q1", "q2"],
+            "now": now + timedelta(seconds=10),
+            "channel": "c",
+        },
         "ack": {"id": 123, "lease": 42, "synchronous_commit": "off"},
         "ack_many": {"ids": [1, 2, 3], "leases": [42, 42, 42], "synchronous_commit": "off"},
         "renew": {"ids": [1, 2, 3], "leases": [42, 42, 42], "now": None, **lease},
