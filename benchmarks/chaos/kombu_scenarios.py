@@ -171,7 +171,6 @@ def load(ctx: Context, rate: float, vacuum_every: float) -> Result:
         results = mp.Queue()
         t0 = time.time()
         counters = [mp.Value("q", 0, lock=False) for _ in range(n_cons)]
-        dry = mp.Value("q", 0, lock=False)  # producer loops that found under `low` waiting
         consumers = [
             mp.Process(
                 target=consumer,
