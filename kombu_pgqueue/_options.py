@@ -39,6 +39,7 @@ class Options:
     sweep_interval: float = 30.0
     listen: bool = True
     batch_acks: bool = True
+    claim_thread: bool = True
     dedup_task_ids: bool = True
     relax_consumer_commits: bool = True
     auto_migrate: bool = True
@@ -164,6 +165,7 @@ def parse_options(transport_options: Mapping[str, Any]) -> Options:
         "listen",
         "auto_migrate",
         "batch_acks",
+        "claim_thread",
         "dedup_task_ids",
         "relax_consumer_commits",
     ):

@@ -50,6 +50,9 @@ Transport options
   acked since its last statement in one statement (as AMQP acks, they are not
   confirmed; a process killed right after ``ack()`` gets the message redelivered).
   False deletes each row before ``ack()`` returns.
+* ``claim_thread`` (bool, True): a consumer in an event loop (a Celery worker) runs its
+  claims on a helper thread, so the loop goes on dispatching tasks and reading results
+  while a claim waits on the database. False claims in the loop's own thread.
 * ``dedup_task_ids`` (bool, True): a Celery task message whose id and retry count
   are already in its queue (waiting, or running with ``acks_late``; with early acks
   the row is gone once the task starts) is not queued again, so a publish that
@@ -97,6 +100,7 @@ from kombu.utils.objects import cached_property
 
 from . import _counters
 from ._acks import AckBatcher
+from ._claimer import Claimer
 from ._leases import LeaseKeeper
 from ._listener import Listener, Wakeups
 from ._options import build_conninfo, check_name, parse_options, task_dedup_key
@@ -247,6 +251,8 @@ class Channel(virtual.Channel):
         self._dedup_task_ids = connection.options.dedup_task_ids
         self._noack_queues: set[str] = set()
         self._last_claim = 0.0
+        #: messages that claims in flight on the claim thread may still bring
+        self._claiming = 0
         #: queue -> (priority, id, until): where this channel resumes claiming, see _claim
         self._resume: dict[str, tuple[int, int, float]] = {}
 
@@ -468,6 +474,9 @@ class Channel(virtual.Channel):
         estimate = self.qos.can_consume_max_estimate()
         if estimate is None:
             return UNLIMITED_BATCH
+        estimate -= self._claiming
+        if estimate <= 0:
+            return 0
         window = self.qos.prefetch_count
         holding = window - estimate
         if (
@@ -584,6 +593,10 @@ class Transport(virtual.Transport):
         self.acks: AckBatcher | None = AckBatcher(self.store) if self.options.batch_acks else None
         self._owner: dict[str, Channel] = {}
         self._pending: set[str] = set()
+        self._claimer: Claimer | None = None
+        #: queues with a claim on the claim thread, and those woken meanwhile
+        self._inflight: set[str] = set()
+        self._renotified: set[str] = set()
         self._next_due: float | None = None
         self._next_poll = 0.0
         self._next_sweep = 0.0
@@ -672,21 +685,34 @@ class Transport(virtual.Transport):
         return held
 
     def _wake(self, wake: Wakeups) -> None:
-        self._pending.update(q for q in wake.queues if q in self._owner)
+        woken = [q for q in wake.queues if q in self._owner]
+        self._pending.update(woken)
+        self._renotified.update(q for q in woken if q in self._inflight)
         if wake.due is not None:
             self._schedule_due(wake.due)
 
     def _deliver_pending(self) -> int:
-        """Claim from every queue with news, within each channel's prefetch window."""
+        """Claim from every queue with news, within each channel's prefetch window.
+
+        In an event loop with the claim thread, this only starts the claims (see
+        :meth:`_on_claimed`) and returns 0.
+        """
         delivered = 0
         for queue in list(self._pending):
             channel = self._owner.get(queue)
             if channel is None or queue not in self._callbacks:
                 self._pending.discard(queue)
                 continue
+            if queue in self._inflight:
+                continue
             limit = channel.batch_limit()
             if not limit:
                 continue  # stays pending until the window opens
+            if self._claimer is not None:
+                self._inflight.add(queue)
+                channel._claiming += limit
+                self._claimer.submit(channel, queue, limit)
+                continue
             payloads = channel.fetch(queue, limit)
             if len(payloads) < limit:
                 self._pending.discard(queue)
@@ -698,6 +724,57 @@ class Transport(virtual.Transport):
             self._retry_armed = True
             self._retry_timer = self._loop.call_later(CLAIM_BATCH_WAIT, self._retry_pending)
         return delivered
+
+    def _on_claimed(self, fileno: int | None = None) -> None:
+        """Deliver what the claim thread brought (in the event loop's thread)."""
+        if self._claimer is None:
+            return
+        error: BaseException | None = None
+        for channel, queue, limit, payloads, exc in self._claimer.results():
+            channel._claiming = max(channel._claiming - limit, 0)
+            self._inflight.discard(queue)
+            renotified = queue in self._renotified
+            self._renotified.discard(queue)
+            if exc is not None:
+                error = error or exc  # the queue stays pending: claimed again after it
+                continue
+            assert payloads is not None
+            if self._owner.get(queue) is not channel or queue not in self._callbacks:
+                self._release_payloads(payloads)  # cancelled meanwhile: back at once
+                continue
+            if len(payloads) < limit and not renotified:
+                self._pending.discard(queue)
+            for payload in payloads:
+                self._deliver(payload, queue)
+        if error is not None:
+            raise error
+        self._deliver_pending()
+
+    def _release_payloads(self, payloads: list[dict[str, Any]]) -> None:
+        tags = [_parse_tag(p["properties"]["delivery_tag"]) for p in payloads]
+        tags = [(i, lease) for i, lease in tags if lease]  # no-ack ones are gone already
+        if not tags:
+            return
+        try:
+            self.store.release([i for i, _ in tags], [lease for _, lease in tags])
+        except Exception as exc:  # best effort: the leases lapse by themselves
+            logger.warning(
+                "pgqueue: could not release %d claimed messages (%r); they return when "
+                "their leases end",
+                len(tags),
+                exc,
+            )
+
+    def _stop_claimer(self) -> None:
+        claimer, self._claimer = self._claimer, None
+        if claimer is not None:
+            claimer.close(
+                lambda left: self._release_payloads([p for r in left for p in (r[3] or [])])
+            )
+        for channel in list(self.channels):
+            channel._claiming = 0
+        self._inflight.clear()
+        self._renotified.clear()
 
     def _retry_pending(self) -> None:
         self._retry_armed = False
@@ -770,6 +847,9 @@ class Transport(virtual.Transport):
         if listener is not None:
             self._loop_fd = listener.fileno()
             loop.add_reader(self._loop_fd, self._on_readable, self._loop_fd)
+        if self.options.claim_thread:
+            self._claimer = Claimer()
+            loop.add_reader(self._claimer.fileno(), self._on_claimed, self._claimer.fileno())
         loop.on_tick.add(self._on_tick)
         self._timers.append(loop.call_repeatedly(self.options.polling_interval, self._poll))
         self._next_poll = 0.0
@@ -784,6 +864,12 @@ class Transport(virtual.Transport):
             except (KeyError, OSError, ValueError):
                 pass
             self._loop_fd = None
+        if self._claimer is not None:
+            try:
+                loop.remove_reader(self._claimer.fileno())
+            except (KeyError, OSError, ValueError):
+                pass
+            self._stop_claimer()
         loop.on_tick.discard(self._on_tick)
         for timer in (*self._timers, self._due_timer, self._retry_timer):
             _cancel(timer)

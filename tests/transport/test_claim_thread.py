@@ -1,0 +1,171 @@
+"""Claims on the claim thread (Transport._claimer) for consumers in an event loop.
+
+The thread only claims; the event loop's thread delivers. These tests drive a real
+Hub and a real database, and step in between "the claim came back" and "the loop
+delivered it" to check what happens to messages claimed for a consumer that went away
+meanwhile, to wakeups that arrive while a claim is in flight, and to the prefetch
+window.
+"""
+
+from __future__ import annotations
+
+import select
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import psycopg
+import pytest
+from kombu import Connection, Consumer, Producer, Queue
+from kombu.asynchronous import Hub
+
+from kombu_pgqueue._listener import Wakeups
+from kombu_pgqueue._store import Store
+
+QUIET = {"polling_interval": 30}
+
+
+@pytest.fixture
+def hub() -> Iterator[Hub]:
+    loop = Hub()
+    yield loop
+    loop.close()
+
+
+def _fill(conn: Connection, queue: str, n: int) -> None:
+    producer = Producer(conn)
+    for i in range(n):
+        producer.publish(i, routing_key=queue, declare=[Queue(queue)])
+
+
+def _claim_returned(conn: Connection, timeout: float = 10) -> None:
+    """Wait until the claim thread has a result (without letting the loop take it)."""
+    claimer = conn.transport._claimer
+    assert claimer is not None
+    ready, _, _ = select.select([claimer.fileno()], [], [], timeout)
+    assert ready, "the claim thread brought nothing back"
+
+
+def _run_until(hub: Hub, done: Callable[[], bool], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not done() and time.monotonic() < deadline:
+        hub.run_once()
+
+
+def test_claims_run_on_their_own_thread_and_deliver_in_the_loop_thread(
+    make_connection: Callable[..., Connection], hub: Hub
+) -> None:
+    conn = make_connection(**QUIET)
+    _fill(conn, "ct", 30)
+    conn.transport.register_with_event_loop(conn.connection, hub)
+    fetch_threads: set[str] = set()
+    channel = conn.default_channel
+    fetch = channel.fetch
+
+    def spy(queue: str, limit: int) -> list[Any]:
+        fetch_threads.add(threading.current_thread().name)
+        return fetch(queue, limit)
+
+    channel.fetch = spy
+    got: list[tuple[int, str]] = []
+    Consumer(
+        conn,
+        [Queue("ct")],
+        callbacks=[lambda body, m: (got.append((body, threading.current_thread().name)), m.ack())],
+        prefetch_count=4,
+    ).consume()
+
+    _run_until(hub, lambda: len(got) == 30, 20)
+
+    assert [body for body, _ in got] == list(range(30))
+    assert {name for _, name in got} == {threading.current_thread().name}
+    assert fetch_threads == {"pgqueue-claimer"}
+
+
+def test_a_claim_never_brings_more_than_the_prefetch_window(
+    make_connection: Callable[..., Connection], hub: Hub
+) -> None:
+    conn = make_connection(**QUIET)
+    _fill(conn, "ctw", 20)
+    conn.transport.register_with_event_loop(conn.connection, hub)
+    held: list[Any] = []
+    Consumer(
+        conn, [Queue("ctw")], callbacks=[lambda b, m: held.append(m)], prefetch_count=3
+    ).consume()
+
+    _run_until(hub, lambda: len(held) >= 3, 10)
+    for _ in range(20):  # more ticks: nothing else may come while three are unacked
+        hub.run_once()
+
+    assert len(held) == 3
+    assert conn.default_channel._claiming == 0
+
+
+def test_messages_claimed_for_a_consumer_cancelled_meanwhile_come_back_at_once(
+    make_connection: Callable[..., Connection], hub: Hub, store: Store
+) -> None:
+    conn = make_connection(**QUIET)
+    _fill(conn, "ctc", 5)
+    transport = conn.transport
+    transport.register_with_event_loop(conn.connection, hub)
+    got: list[int] = []
+    consumer = Consumer(
+        conn, [Queue("ctc")], callbacks=[lambda b, m: got.append(b)], prefetch_count=10
+    )
+    consumer.consume()
+
+    transport._deliver_pending()  # starts the claim on the claim thread
+    _claim_returned(conn)
+    consumer.cancel()
+    transport._on_claimed()
+
+    assert got == []
+    # released, not left leased until the lease ends: claimable right away
+    assert len(store.claim("ctc", 10, 1)) == 5
+
+
+def test_a_wakeup_during_a_short_claim_keeps_the_queue_pending(
+    make_connection: Callable[..., Connection], hub: Hub
+) -> None:
+    conn = make_connection(**QUIET)
+    _fill(conn, "ctn", 1)
+    transport = conn.transport
+    transport.register_with_event_loop(conn.connection, hub)
+    got: list[int] = []
+    Consumer(
+        conn, [Queue("ctn")], callbacks=[lambda b, m: (got.append(b), m.ack())], prefetch_count=10
+    ).consume()
+
+    transport._pending.add("ctn")
+    transport._deliver_pending()
+    _claim_returned(conn)
+    # a NOTIFY for a message committed after the claim's snapshot arrives meanwhile
+    transport._wake(Wakeups(queues={"ctn"}, due=None))
+    transport._on_claimed()
+
+    assert got == [0]
+    assert "ctn" in transport._pending  # claimed again, not left for the safety poll
+
+
+def test_a_database_error_on_the_claim_thread_reaches_the_event_loop(
+    make_connection: Callable[..., Connection], hub: Hub
+) -> None:
+    conn = make_connection(**QUIET)
+    _fill(conn, "cte", 1)
+    transport = conn.transport
+    transport.register_with_event_loop(conn.connection, hub)
+    Consumer(conn, [Queue("cte")], callbacks=[lambda b, m: m.ack()]).consume()
+
+    def broken(queue: str, limit: int) -> list[Any]:
+        raise psycopg.OperationalError("the server closed the connection")
+
+    conn.default_channel.fetch = broken
+    transport._pending.add("cte")
+    transport._deliver_pending()
+    _claim_returned(conn)
+
+    with pytest.raises(psycopg.OperationalError):
+        transport._on_claimed()
+    assert "cte" in transport._pending
+    assert conn.default_channel._claiming == 0
