@@ -16,12 +16,15 @@ from datetime import datetime
 from typing import Any
 
 import psycopg
-from psycopg import errors
+from psycopg import errors, pq
 from psycopg_pool import ConnectionPool
 
 from . import _pool, _sql, transactions
 from ._options import Options
 from .exceptions import MessageError, PrivilegeError, SchemaError
+
+#: a statement that returned rows (SELECT, or RETURNING)
+TUPLES_OK = pq.ExecStatus.TUPLES_OK
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -296,7 +299,9 @@ class Store:
             params["synchronous_commit"] = "off" if self.options.relax_consumer_commits else None
         with self._translated(name), self.pool.connection() as conn:
             cur = conn.execute(self._q[name], params, prepare=prepare)
-            return cur.fetchall() if cur.description else []
+            # the result's status, not cur.description (which builds a Column per column)
+            result = cur.pgresult
+            return cur.fetchall() if result is not None and result.status == TUPLES_OK else []
 
     def _one(self, name: str, params: dict[str, Any]) -> tuple[Any, ...] | None:
         rows = self._rows(name, params)
