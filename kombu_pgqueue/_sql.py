@@ -15,6 +15,11 @@ import psycopg
 from psycopg import sql
 
 _HEADER = re.compile(r"^-- name: (?P<name>\w+) :(?P<kind>one|many|none)\s*$", re.MULTILINE)
+#: a statement whose text starts with this line is its base statement with the rest of
+#: its text (comments dropped) in place of the base's ``{position}``
+_EXTENDS = re.compile(r"\A-- extends: (?P<base>\w+)\s*$", re.MULTILINE)
+_SLOT = "{position}"
+_COMMENT = re.compile(r"^\s*--.*$\n?", re.MULTILINE)
 
 
 def _named(text: str, source: str, found: dict[str, str]) -> None:
@@ -38,6 +43,16 @@ def raw_queries() -> dict[str, str]:
     for entry in sorted(folder.iterdir(), key=lambda e: e.name):
         if entry.name.endswith(".sql"):
             _named(entry.read_text(encoding="utf-8"), entry.name, found)
+    variants = {}
+    for name, text in found.items():
+        extends = _EXTENDS.match(text)
+        if extends:
+            fill = _COMMENT.sub("", text).strip()
+            variants[name] = found[extends["base"]].replace(_SLOT, fill)
+    for name, text in found.items():
+        if _SLOT in text and name not in variants:
+            variants[name] = text.replace(_SLOT, "")  # the base itself: an empty slot
+    found.update(variants)
     return found
 
 

@@ -113,7 +113,9 @@ class QueueStats:
 
 
 #: consumer-side statements whose lost commit can only cause a redelivery
-_RELAXED = frozenset({"claim", "ack", "ack_many", "requeue", "release", "bury", "renew"})
+_RELAXED = frozenset(
+    {"claim", "claim_after", "ack", "ack_many", "requeue", "release", "bury", "renew"}
+)
 
 #: statements that go through an enlisted application transaction, if there is one
 _PUBLISHES = frozenset({"publish", "publish_many", "publish_routed"})
@@ -364,11 +366,10 @@ class Store:
         """Lease up to ``limit`` ready messages, from the head of the queue.
 
         ``after`` = (priority, id) claims only messages of that priority with a larger
-        id: the index scan starts right there. It is planned with its values (never from
-        a prepared generic plan), which is what lets PostgreSQL start the scan there.
+        id (statement ``claim_after``): the index scan starts right there.
         """
         rows = self._rows(
-            "claim",
+            "claim" if after is None else "claim_after",
             {
                 "queue": queue,
                 "limit": limit,
@@ -379,7 +380,6 @@ class Store:
                 "after_priority": None if after is None else after[0],
                 "after_id": None if after is None else after[1],
             },
-            prepare=False if after is not None else None,
         )
         return [Delivered(*row) for row in rows]
 

@@ -168,11 +168,8 @@ WITH candidate AS MATERIALIZED (
       AND NOT delayed
       AND next_iteration <= coalesce(%(now)s::timestamptz, now())
       AND (expires_at IS NULL OR expires_at > coalesce(%(now)s::timestamptz, now()))
-      -- a consumer may resume after its last claimed message (same priority, larger
-      -- id): planned with the values, the index scan then starts there, past acked rows
-      -- that an old snapshot keeps VACUUM from removing. NULL: from the head.
-      AND (%(after_id)s::bigint IS NULL
-           OR (priority = %(after_priority)s::smallint AND id > %(after_id)s::bigint))
+      -- from the head here; claim_after puts the consumer's position in its place
+      {position}
       -- relax_consumer_commits: 'off' here spares this commit the WAL flush wait; a crash
       -- can then forget it, which only delivers a message again (NULL: the server's setting)
       AND (SELECT set_config('synchronous_commit',
@@ -216,6 +213,15 @@ SELECT id, priority, attempts, body, content_type, content_encoding,
        headers::text, properties::text
 FROM leased
 ORDER BY priority DESC, id;
+
+-- name: claim_after :many
+-- extends: claim
+-- The claim of a consumer that resumes after its last claimed message (same priority,
+-- larger id; see Channel._claim): this condition in place of claim's {position}. It is
+-- part of the index condition even in the generic plan of the prepared statement, so
+-- the scan starts there, past acked rows that an old snapshot keeps VACUUM from
+-- removing, and nothing is planned per claim.
+AND priority = %(after_priority)s::smallint AND id > %(after_id)s::bigint
 
 -- name: take :many
 -- For no-ack consumers (Celery's remote control and events): the message is gone
