@@ -682,6 +682,9 @@ class Transport(virtual.Transport):
         for channel in list(self.channels):
             if channel._qos is not None:
                 held.extend(channel._qos.held())
+        claimer = self._claimer
+        if claimer is not None:  # claimed, not yet handed to the loop
+            held.extend(_parse_tag(p["properties"]["delivery_tag"]) for p, _ in claimer.held())
         return held
 
     def _wake(self, wake: Wakeups) -> None:
@@ -691,11 +694,12 @@ class Transport(virtual.Transport):
         if wake.due is not None:
             self._schedule_due(wake.due)
 
-    def _deliver_pending(self) -> int:
+    def _deliver_pending(self, inline: bool = False) -> int:
         """Claim from every queue with news, within each channel's prefetch window.
 
         In an event loop with the claim thread, this only starts the claims (see
-        :meth:`_on_claimed`) and returns 0.
+        :meth:`_on_claimed`), except for no-ack queues (a take deletes what it hands
+        out, so it must be delivered at once) and when ``inline``.
         """
         delivered = 0
         for queue in list(self._pending):
@@ -708,7 +712,7 @@ class Transport(virtual.Transport):
             limit = channel.batch_limit()
             if not limit:
                 continue  # stays pending until the window opens
-            if self._claimer is not None:
+            if self._claimer is not None and not inline and queue not in channel._noack_queues:
                 self._inflight.add(queue)
                 channel._claiming += limit
                 self._claimer.submit(channel, queue, limit)
@@ -729,23 +733,39 @@ class Transport(virtual.Transport):
         """Deliver what the claim thread brought (in the event loop's thread)."""
         if self._claimer is None:
             return
-        error: BaseException | None = None
-        for channel, queue, limit, payloads, exc in self._claimer.results():
+        results = self._claimer.results()
+        for channel, queue, limit, _, _ in results:
             channel._claiming = max(channel._claiming - limit, 0)
             self._inflight.discard(queue)
+        error: BaseException | None = None
+        undelivered: list[dict[str, Any]] = []
+        for channel, queue, limit, payloads, exc in results:
             renotified = queue in self._renotified
             self._renotified.discard(queue)
             if exc is not None:
                 error = error or exc  # the queue stays pending: claimed again after it
                 continue
             assert payloads is not None
-            if self._owner.get(queue) is not channel or queue not in self._callbacks:
-                self._release_payloads(payloads)  # cancelled meanwhile: back at once
+            if (
+                error is not None
+                or self._owner.get(queue) is not channel
+                or (queue not in self._callbacks)
+            ):
+                undelivered.extend(payloads)  # cancelled meanwhile: back at once
                 continue
             if len(payloads) < limit and not renotified:
                 self._pending.discard(queue)
-            for payload in payloads:
-                self._deliver(payload, queue)
+            for n, payload in enumerate(payloads):
+                try:
+                    self._deliver(payload, queue)
+                except BaseException as exc:
+                    # what this batch and the later ones had not handed out yet goes
+                    # back now instead of staying leased, unseen, until the lease ends
+                    undelivered.extend(payloads[n + 1 :])
+                    error = error or exc
+                    break
+        if undelivered:
+            self._release_payloads(undelivered)
         if error is not None:
             raise error
         self._deliver_pending()
@@ -765,12 +785,13 @@ class Transport(virtual.Transport):
                 exc,
             )
 
+    def _release_results(self, results: list[Any]) -> None:
+        self._release_payloads([p for r in results for p in (r[3] or [])])
+
     def _stop_claimer(self) -> None:
         claimer, self._claimer = self._claimer, None
         if claimer is not None:
-            claimer.close(
-                lambda left: self._release_payloads([p for r in left for p in (r[3] or [])])
-            )
+            claimer.close()
         for channel in list(self.channels):
             channel._claiming = 0
         self._inflight.clear()
@@ -790,6 +811,8 @@ class Transport(virtual.Transport):
         owned = list(self._owner)
         ready, next_due = self.store.poll(owned, check=[q for q in owned if q not in self._pending])
         self._pending.update(ready)
+        # a claim in flight may have started before these became ready
+        self._renotified.update(q for q in ready if q in self._inflight)
         self._next_due = None
         if next_due is not None:
             self._schedule_due(next_due)
@@ -816,7 +839,7 @@ class Transport(virtual.Transport):
         while True:
             if time.monotonic() >= self._next_poll and self._owner:
                 self._poll()
-            if self._deliver_pending():
+            if self._deliver_pending(inline=True):
                 return
             now = time.monotonic()
             waits = [self._next_poll - now]
@@ -848,7 +871,7 @@ class Transport(virtual.Transport):
             self._loop_fd = listener.fileno()
             loop.add_reader(self._loop_fd, self._on_readable, self._loop_fd)
         if self.options.claim_thread:
-            self._claimer = Claimer()
+            self._claimer = Claimer(self._release_results)
             loop.add_reader(self._claimer.fileno(), self._on_claimed, self._claimer.fileno())
         loop.on_tick.add(self._on_tick)
         self._timers.append(loop.call_repeatedly(self.options.polling_interval, self._poll))

@@ -169,3 +169,48 @@ def test_a_database_error_on_the_claim_thread_reaches_the_event_loop(
         transport._on_claimed()
     assert "cte" in transport._pending
     assert conn.default_channel._claiming == 0
+
+
+def test_a_callback_error_mid_batch_releases_the_rest_of_the_batch(
+    make_connection: Callable[..., Connection], hub: Hub, store: Store
+) -> None:
+    conn = make_connection(**QUIET)
+    _fill(conn, "ctx", 5)
+    transport = conn.transport
+    transport.register_with_event_loop(conn.connection, hub)
+    got: list[int] = []
+
+    def on_message(body: int, message: Any) -> None:
+        got.append(body)
+        if body == 1:
+            raise RuntimeError("the consumer's callback failed")
+
+    Consumer(conn, [Queue("ctx")], callbacks=[on_message], prefetch_count=10).consume()
+    transport._pending.add("ctx")
+    transport._claimer.submit(conn.default_channel, "ctx", 5)  # one batch of 5
+    transport._inflight.add("ctx")
+    _claim_returned(conn)
+
+    with pytest.raises(RuntimeError):
+        transport._on_claimed()
+
+    assert got == [0, 1]
+    # 2, 3 and 4 were claimed but never handed out: released, claimable at once
+    assert sorted(bytes(row.body) for row in store.claim("ctx", 10, 1)) == [b"2", b"3", b"4"]
+    assert "ctx" not in transport._inflight
+
+
+def test_drain_events_still_delivers_while_registered_with_a_loop(
+    make_connection: Callable[..., Connection], hub: Hub
+) -> None:
+    conn = make_connection(**QUIET)
+    _fill(conn, "ctd", 3)
+    conn.transport.register_with_event_loop(conn.connection, hub)
+    got: list[int] = []
+    Consumer(conn, [Queue("ctd")], callbacks=[lambda b, m: (got.append(b), m.ack())]).consume()
+
+    deadline = time.monotonic() + 10
+    while len(got) < 3 and time.monotonic() < deadline:
+        conn.drain_events(timeout=1)
+
+    assert got == [0, 1, 2]
