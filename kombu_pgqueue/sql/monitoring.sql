@@ -69,7 +69,7 @@ delayed_sample AS MATERIALIZED (
     SELECT queue
     FROM {schema}.message
     WHERE delayed
-    ORDER BY next_iteration
+    ORDER BY due_at
     LIMIT %(cap)s::bigint + 1
 ),
 delayed_seen AS (

@@ -350,8 +350,8 @@ WITH due AS MATERIALIZED (
     SELECT id
     FROM {schema}.message
     WHERE delayed
-      AND next_iteration <= coalesce(%(now)s::timestamptz, now())
-    ORDER BY next_iteration
+      AND due_at <= coalesce(%(now)s::timestamptz, now())
+    ORDER BY due_at
     LIMIT 1000
     FOR UPDATE SKIP LOCKED
 ),
@@ -387,10 +387,10 @@ WHERE EXISTS (
       AND (m.expires_at IS NULL OR m.expires_at > coalesce(%(now)s::timestamptz, now()))
 )
 UNION ALL
-SELECT NULL, extract(EPOCH FROM min(m.next_iteration))::float8
+SELECT NULL, extract(EPOCH FROM min(m.due_at))::float8
 FROM {schema}.message AS m
 WHERE m.delayed
-  AND m.next_iteration > coalesce(%(now)s::timestamptz, now());
+  AND m.due_at > coalesce(%(now)s::timestamptz, now());
 
 -- name: sweep :one
 -- Garbage collection, run now and then by consumers: expired messages go (as on

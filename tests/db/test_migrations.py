@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 
 import psycopg
@@ -171,3 +172,47 @@ def test_the_message_table_is_set_up_for_churn(
     assert options["vacuum_truncate"] == "false"
     assert float(options["autovacuum_vacuum_scale_factor"]) <= 0.01
     assert options["autovacuum_vacuum_cost_delay"] == "0"
+    assert options["fillfactor"] == "50"
+
+
+def _update_counts(db: psycopg.Connection, schema: str) -> tuple[int, int]:
+    db.execute("SELECT pg_stat_clear_snapshot()")
+    row = db.execute(
+        "SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_user_tables"
+        " WHERE schemaname = %s AND relname = 'message'",
+        (schema,),
+    ).fetchone()
+    assert row is not None
+    return int(row[0]), int(row[1])
+
+
+def test_claims_renewals_and_requeues_are_hot_updates(
+    broker_base_url: str, schema: str, db: psycopg.Connection
+) -> None:
+    """No index entry per claim: every update on the delivery path stays on its page.
+
+    The statistics arrive when the store's backend reports them; closing its
+    connection makes it report at exit.
+    """
+    from kombu_pgqueue._store import Outgoing, new_lease
+
+    delivered = 40
+    conn = _connect(broker_base_url, schema=schema)
+    try:
+        store = conn.default_channel.store
+        for i in range(delivered):
+            store.publish(Outgoing(queue="q", body=b"x" * 500, headers="{}", properties="{}"))
+        lease = new_lease()
+        claimed = store.claim("q", delivered, lease)
+        assert len(claimed) == delivered
+        ids = [d.id for d in claimed]
+        assert store.renew(ids, [lease] * delivered) == set(ids)
+        assert store.requeue(ids[0], lease)
+    finally:
+        conn.release()
+
+    updates = 2 * delivered + 1  # claim, renew, requeue
+    deadline = time.monotonic() + 30
+    while _update_counts(db, schema)[0] < updates and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _update_counts(db, schema) == (updates, updates)

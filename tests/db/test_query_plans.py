@@ -140,4 +140,4 @@ def test_poll_with_due_delayed_messages_has_no_seq_scan(
     nodes = _explain(conn, schema, "poll", _params("poll", now))
 
     assert _seq_scans(nodes) == []
-    assert "message_delayed_idx" in _indexes(nodes)
+    assert "message_due_idx" in _indexes(nodes)

@@ -86,7 +86,7 @@ def test_queue_depths_walks_indexes_only(loaded: tuple[psycopg.Connection, str],
     nodes = _explain(conn, schema, "queue_depths", cap)
 
     assert _scanned(nodes) == []
-    assert {"message_ready_idx", "message_delayed_idx", "dead_letter_queue_idx"} <= _indexes(nodes)
+    assert {"message_ready_idx", "message_due_idx", "dead_letter_queue_idx"} <= _indexes(nodes)
     # the oldest-ready lookup in id order must not walk the primary key past other queues
     assert "message_pkey" not in _indexes(nodes)
     # and the cost estimate stays below jit_above_cost's default: JIT would cost seconds

@@ -9,6 +9,7 @@
 --   over until VACUUM removes them.
 -- No fillfactor: the claim changes next_iteration, a key of message_delayed_idx, so its
 -- update is never HOT and free space kept on each page would only make the table larger.
+-- (0004_hot_claims moves that index off next_iteration and sets a fillfactor.)
 ALTER TABLE {schema}.message SET (
     vacuum_truncate = false,
     autovacuum_vacuum_threshold = 1000,
