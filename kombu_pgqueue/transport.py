@@ -115,6 +115,12 @@ UNLIMITED_BATCH = 100
 #: seconds a consumer that still holds messages waits for half its window to free
 CLAIM_BATCH_WAIT = 0.05
 
+#: a consumer that delivered nothing for this long claims in the event loop's own
+#: thread: the loop has nothing else to do meanwhile, and the hops to the claim thread
+#: and back (a thread wakeup, then a pipe write and another loop wakeup) came to about
+#: a tenth of the time from apply_async to task start on an idle prefork worker
+IDLE_INLINE_SECONDS = 0.02
+
 #: a claim from the head slower than this (it stepped over many acked rows that VACUUM
 #: may not remove yet, e.g. while an old snapshot is held) makes the consumer resume
 #: after its last message for RESUME_SECONDS, or 20 times that claim's duration if
@@ -596,6 +602,7 @@ class Transport(virtual.Transport):
         self._claimer: Claimer | None = None
         #: queues with a claim on the claim thread, and those woken meanwhile
         self._inflight: set[str] = set()
+        self._last_delivery = 0.0
         self._renotified: set[str] = set()
         self._next_due: float | None = None
         self._next_poll = 0.0
@@ -702,6 +709,7 @@ class Transport(virtual.Transport):
         out, so it must be delivered at once) and when ``inline``.
         """
         delivered = 0
+        idle = not self._inflight and time.monotonic() - self._last_delivery >= IDLE_INLINE_SECONDS
         for queue in list(self._pending):
             channel = self._owner.get(queue)
             if channel is None or queue not in self._callbacks:
@@ -712,7 +720,11 @@ class Transport(virtual.Transport):
             limit = channel.batch_limit()
             if not limit:
                 continue  # stays pending until the window opens
-            if self._claimer is not None and not inline and queue not in channel._noack_queues:
+            if (
+                self._claimer is not None
+                and not (inline or idle)
+                and queue not in channel._noack_queues
+            ):
                 self._inflight.add(queue)
                 channel._claiming += limit
                 self._claimer.submit(channel, queue, limit)
@@ -720,6 +732,8 @@ class Transport(virtual.Transport):
             payloads = channel.fetch(queue, limit)
             if len(payloads) < limit:
                 self._pending.discard(queue)
+            if payloads:
+                self._last_delivery = time.monotonic()
             for payload in payloads:
                 self._deliver(payload, queue)
             delivered += len(payloads)
@@ -755,6 +769,8 @@ class Transport(virtual.Transport):
                 continue
             if len(payloads) < limit and not renotified:
                 self._pending.discard(queue)
+            if payloads:
+                self._last_delivery = time.monotonic()
             for n, payload in enumerate(payloads):
                 try:
                     self._deliver(payload, queue)

@@ -47,6 +47,15 @@ def _claim_returned(conn: Connection, timeout: float = 10) -> None:
     assert ready, "the claim thread brought nothing back"
 
 
+def _busy(conn: Connection) -> None:
+    """Make the transport count as delivering all along, so no claim goes inline.
+
+    An idle consumer (nothing delivered for IDLE_INLINE_SECONDS) claims in the loop's
+    own thread; these tests are about the claim thread.
+    """
+    conn.transport._last_delivery = time.monotonic() + 3600
+
+
 def _run_until(hub: Hub, done: Callable[[], bool], timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while not done() and time.monotonic() < deadline:
@@ -59,6 +68,7 @@ def test_claims_run_on_their_own_thread_and_deliver_in_the_loop_thread(
     conn = make_connection(**QUIET)
     _fill(conn, "ct", 30)
     conn.transport.register_with_event_loop(conn.connection, hub)
+    _busy(conn)
     fetch_threads: set[str] = set()
     channel = conn.default_channel
     fetch = channel.fetch
@@ -89,6 +99,7 @@ def test_a_claim_never_brings_more_than_the_prefetch_window(
     conn = make_connection(**QUIET)
     _fill(conn, "ctw", 20)
     conn.transport.register_with_event_loop(conn.connection, hub)
+    _busy(conn)
     held: list[Any] = []
     Consumer(
         conn, [Queue("ctw")], callbacks=[lambda b, m: held.append(m)], prefetch_count=3
@@ -109,6 +120,7 @@ def test_messages_claimed_for_a_consumer_cancelled_meanwhile_come_back_at_once(
     _fill(conn, "ctc", 5)
     transport = conn.transport
     transport.register_with_event_loop(conn.connection, hub)
+    _busy(conn)
     got: list[int] = []
     consumer = Consumer(
         conn, [Queue("ctc")], callbacks=[lambda b, m: got.append(b)], prefetch_count=10
@@ -132,6 +144,7 @@ def test_a_wakeup_during_a_short_claim_keeps_the_queue_pending(
     _fill(conn, "ctn", 1)
     transport = conn.transport
     transport.register_with_event_loop(conn.connection, hub)
+    _busy(conn)
     got: list[int] = []
     Consumer(
         conn, [Queue("ctn")], callbacks=[lambda b, m: (got.append(b), m.ack())], prefetch_count=10
@@ -155,6 +168,7 @@ def test_a_database_error_on_the_claim_thread_reaches_the_event_loop(
     _fill(conn, "cte", 1)
     transport = conn.transport
     transport.register_with_event_loop(conn.connection, hub)
+    _busy(conn)
     Consumer(conn, [Queue("cte")], callbacks=[lambda b, m: m.ack()]).consume()
 
     def broken(queue: str, limit: int) -> list[Any]:
@@ -178,6 +192,7 @@ def test_a_callback_error_mid_batch_releases_the_rest_of_the_batch(
     _fill(conn, "ctx", 5)
     transport = conn.transport
     transport.register_with_event_loop(conn.connection, hub)
+    _busy(conn)
     got: list[int] = []
 
     def on_message(body: int, message: Any) -> None:
@@ -206,6 +221,7 @@ def test_drain_events_still_delivers_while_registered_with_a_loop(
     conn = make_connection(**QUIET)
     _fill(conn, "ctd", 3)
     conn.transport.register_with_event_loop(conn.connection, hub)
+    _busy(conn)
     got: list[int] = []
     Consumer(conn, [Queue("ctd")], callbacks=[lambda b, m: (got.append(b), m.ack())]).consume()
 
@@ -214,3 +230,33 @@ def test_drain_events_still_delivers_while_registered_with_a_loop(
         conn.drain_events(timeout=1)
 
     assert got == [0, 1, 2]
+
+
+def test_an_idle_consumer_claims_in_the_loop_thread_then_hands_claims_to_the_thread(
+    make_connection: Callable[..., Connection], hub: Hub
+) -> None:
+    conn = make_connection(**QUIET)
+    _fill(conn, "cti", 30)
+    conn.transport.register_with_event_loop(conn.connection, hub)
+    fetch_threads: list[str] = []
+    channel = conn.default_channel
+    fetch = channel.fetch
+
+    def spy(queue: str, limit: int) -> list[Any]:
+        fetch_threads.append(threading.current_thread().name)
+        return fetch(queue, limit)
+
+    channel.fetch = spy
+    got: list[int] = []
+    Consumer(
+        conn,
+        [Queue("cti")],
+        callbacks=[lambda body, m: (got.append(body), m.ack())],
+        prefetch_count=4,
+    ).consume()
+
+    _run_until(hub, lambda: len(got) == 30, 20)
+
+    assert got == list(range(30))
+    assert fetch_threads[0] == threading.current_thread().name
+    assert "pgqueue-claimer" in fetch_threads[1:]
