@@ -706,7 +706,8 @@ class Transport(virtual.Transport):
 
         In an event loop with the claim thread, this only starts the claims (see
         :meth:`_on_claimed`), except for no-ack queues (a take deletes what it hands
-        out, so it must be delivered at once) and when ``inline``.
+        out, so it must be delivered at once), when ``inline``, and when nothing was
+        delivered for IDLE_INLINE_SECONDS (the loop is idle: the claim is quicker here).
         """
         delivered = 0
         idle = not self._inflight and time.monotonic() - self._last_delivery >= IDLE_INLINE_SECONDS
