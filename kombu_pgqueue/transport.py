@@ -184,6 +184,9 @@ class QoS(virtual.QoS):
                 continue
         return []
 
+    def unacked(self) -> int:
+        return len(self._delivered) - len(self._dirty)
+
     def ack(self, delivery_tag: str) -> None:
         message_id, lease = _parse_tag(delivery_tag)
         _counters.add("acked")
@@ -710,7 +713,6 @@ class Transport(virtual.Transport):
         delivered for IDLE_INLINE_SECONDS (the loop is idle: the claim is quicker here).
         """
         delivered = 0
-        idle = not self._inflight and time.monotonic() - self._last_delivery >= IDLE_INLINE_SECONDS
         for queue in list(self._pending):
             channel = self._owner.get(queue)
             if channel is None or queue not in self._callbacks:
@@ -723,20 +725,19 @@ class Transport(virtual.Transport):
                 continue  # stays pending until the window opens
             if (
                 self._claimer is not None
-                and not (inline or idle)
+                and not inline
                 and queue not in channel._noack_queues
+                and not self._idle(channel)
             ):
                 self._inflight.add(queue)
                 channel._claiming += limit
                 self._claimer.submit(channel, queue, limit)
                 continue
             payloads = channel.fetch(queue, limit)
-            if len(payloads) < limit:
-                self._pending.discard(queue)
-            if payloads:
-                self._last_delivery = time.monotonic()
-            for payload in payloads:
-                self._deliver(payload, queue)
+            error, rest = self._hand_out(queue, limit, payloads)
+            if error is not None:
+                self._release_payloads(rest)
+                raise error
             delivered += len(payloads)
         if self._pending and self._loop is not None and not self._retry_armed:
             # a claim put off for batching must still happen soon
@@ -768,24 +769,40 @@ class Transport(virtual.Transport):
             ):
                 undelivered.extend(payloads)  # cancelled meanwhile: back at once
                 continue
-            if len(payloads) < limit and not renotified:
-                self._pending.discard(queue)
-            if payloads:
-                self._last_delivery = time.monotonic()
-            for n, payload in enumerate(payloads):
-                try:
-                    self._deliver(payload, queue)
-                except BaseException as exc:
-                    # what this batch and the later ones had not handed out yet goes
-                    # back now instead of staying leased, unseen, until the lease ends
-                    undelivered.extend(payloads[n + 1 :])
-                    error = error or exc
-                    break
+            error, rest = self._hand_out(queue, limit, payloads, renotified)
+            undelivered.extend(rest)  # and the later batches, as error is set now
         if undelivered:
             self._release_payloads(undelivered)
         if error is not None:
             raise error
         self._deliver_pending()
+
+    def _idle(self, channel: Channel) -> bool:
+        """Nothing claimed, held or delivered lately: claim in the loop's thread."""
+        return (
+            not self._inflight
+            and channel.qos.unacked() == 0
+            and time.monotonic() - self._last_delivery >= IDLE_INLINE_SECONDS
+        )
+
+    def _hand_out(
+        self, queue: str, limit: int, payloads: list[dict[str, Any]], renotified: bool = False
+    ) -> tuple[BaseException | None, list[dict[str, Any]]]:
+        """Deliver one claim's messages; return a callback's error and what it left over.
+
+        What was not handed out when a callback raised must be released by the caller
+        at once, instead of staying leased, unseen and unrenewed, until the lease ends.
+        """
+        if len(payloads) < limit and not renotified:
+            self._pending.discard(queue)
+        if payloads:
+            self._last_delivery = time.monotonic()
+        for n, payload in enumerate(payloads):
+            try:
+                self._deliver(payload, queue)
+            except BaseException as exc:
+                return exc, payloads[n + 1 :]
+        return None, []
 
     def _release_payloads(self, payloads: list[dict[str, Any]]) -> None:
         tags = [_parse_tag(p["properties"]["delivery_tag"]) for p in payloads]

@@ -215,6 +215,31 @@ def test_a_callback_error_mid_batch_releases_the_rest_of_the_batch(
     assert "ctx" not in transport._inflight
 
 
+def test_a_callback_error_in_an_idle_consumers_inline_claim_releases_the_rest(
+    make_connection: Callable[..., Connection], hub: Hub, store: Store
+) -> None:
+    conn = make_connection(**QUIET)
+    _fill(conn, "ctxi", 5)
+    transport = conn.transport
+    transport.register_with_event_loop(conn.connection, hub)
+    got: list[int] = []
+
+    def on_message(body: int, message: Any) -> None:
+        got.append(body)
+        if body == 1:
+            raise RuntimeError("the consumer's callback failed")
+
+    Consumer(conn, [Queue("ctxi")], callbacks=[on_message], prefetch_count=5).consume()
+    transport._pending.add("ctxi")
+
+    with pytest.raises(RuntimeError):
+        transport._deliver_pending()  # idle: claims all 5 in this thread
+
+    assert got == [0, 1]
+    assert transport._inflight == set()
+    assert sorted(bytes(row.body) for row in store.claim("ctxi", 10, 1)) == [b"2", b"3", b"4"]
+
+
 def test_drain_events_still_delivers_while_registered_with_a_loop(
     make_connection: Callable[..., Connection], hub: Hub
 ) -> None:
@@ -258,5 +283,6 @@ def test_an_idle_consumer_claims_in_the_loop_thread_then_hands_claims_to_the_thr
     _run_until(hub, lambda: len(got) == 30, 20)
 
     assert got == list(range(30))
+    # the first claim found the consumer idle; later ones came while it held messages
     assert fetch_threads[0] == threading.current_thread().name
     assert "pgqueue-claimer" in fetch_threads[1:]
