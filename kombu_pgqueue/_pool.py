@@ -39,8 +39,21 @@ def connect(conninfo: str, options: Options) -> psycopg.Connection:
     return psycopg.connect(conninfo, autocommit=True, prepare_threshold=options.prepare_threshold)
 
 
+#: Session settings of the broker's pooled connections, which run only the broker's
+#: statements. No sequential scans: the hot statements reach the message table by key,
+#: but a plan made while the table was small (a seq scan is then the cheapest way to
+#: find a few ids) stays cached while the table grows, until autovacuum invalidates
+#: it, and each claim and ack would read the whole table meanwhile. Where no index
+#: serves a statement (queue_stats, a temporary staging table), it still scans.
+#: No JIT: the broker's statements are short, and the cost that enable_seqscan = off
+#: puts on a scan with no alternative crosses jit_above_cost, so a 100-row count took
+#: 100 ms of which JIT compiling was 99.
+SESSION_SETTINGS = "SET enable_seqscan = off; SET jit = off"
+
+
 def _configure(conn: psycopg.Connection) -> None:
     conn.autocommit = True
+    conn.execute(SESSION_SETTINGS)
 
 
 def get_pool(conninfo: str, options: Options) -> ConnectionPool:

@@ -200,7 +200,7 @@ def test_claims_renewals_and_requeues_are_hot_updates(
     conn = _connect(broker_base_url, schema=schema)
     try:
         store = conn.default_channel.store
-        for i in range(delivered):
+        for _ in range(delivered):
             store.publish(Outgoing(queue="q", body=b"x" * 500, headers="{}", properties="{}"))
         lease = new_lease()
         claimed = store.claim("q", delivered, lease)

@@ -196,3 +196,9 @@ def test_statements_joining_a_list_of_ids_reach_it_by_key_whatever_the_estimate(
         assert scan["Node Type"] != "Seq Scan", scan
         # an index scan without a condition reads the whole index: every message
         assert "Index Cond" in scan, scan
+
+
+def test_the_brokers_own_sessions_plan_without_sequential_scans(store: Store) -> None:
+    with store.pool.connection() as conn:
+        assert conn.execute("SHOW enable_seqscan").fetchone() == ("off",)
+        assert conn.execute("SHOW jit").fetchone() == ("off",)

@@ -17,6 +17,7 @@ from kombu import Connection, Producer, Queue
 from psycopg import sql
 
 from kombu_pgqueue import transport
+from kombu_pgqueue._pool import SESSION_SETTINGS
 from kombu_pgqueue._store import Store, new_lease
 
 
@@ -103,6 +104,7 @@ def test_the_resumed_claim_starts_the_index_scan_at_the_position_in_its_generic_
     query = _sql.queries(store.schema)["claim_after"]
     db.autocommit = True
     db.execute("SET plan_cache_mode = force_generic_plan")
+    db.execute(SESSION_SETTINGS)  # as on the broker's own connections
     db.execute(query, params, prepare=True)
     [(name,)] = db.execute(
         "SELECT name FROM pg_prepared_statements WHERE statement LIKE %s",
