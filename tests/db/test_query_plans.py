@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -24,36 +25,41 @@ READY = 20_000
 QUEUES = 50
 
 
-@pytest.fixture(scope="module")
-def loaded(dsn: str) -> Iterator[tuple[psycopg.Connection, str, datetime]]:
+@contextmanager
+def _plan_schema(dsn: str) -> Iterator[tuple[psycopg.Connection, str, Store, datetime]]:
+    """A freshly migrated schema of its own, dropped afterwards."""
     schema = f"t_plan_{uuid.uuid4().hex[:8]}"
-    ident = sql.Identifier(schema)
     with psycopg.connect(dsn, autocommit=True) as conn:
         migrate(conn, schema)
         try:
             now = conn.execute("SELECT now()").fetchone()[0]  # type: ignore[index]
-            store = Store(dsn, parse_options({"schema": schema}))
-            messages = [
-                Outgoing(
-                    queue=f"q{i % QUEUES}", body=b"x", headers="{}", properties="{}", priority=i % 4
-                )
-                for i in range(READY)
-            ]
-            messages += [
-                Outgoing(
-                    queue=f"q{i % QUEUES}",
-                    body=b"x",
-                    headers="{}",
-                    properties="{}",
-                    eta=now + timedelta(seconds=2 if i < 5 else 3600),
-                )
-                for i in range(200)
-            ]
-            assert store.publish_many(messages) == len(messages)
-            conn.execute(sql.SQL("ANALYZE {}.message").format(ident))
-            yield conn, schema, now
+            yield conn, schema, Store(dsn, parse_options({"schema": schema})), now
         finally:
-            conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(ident))
+            conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
+
+
+@pytest.fixture(scope="module")
+def loaded(dsn: str) -> Iterator[tuple[psycopg.Connection, str, datetime]]:
+    with _plan_schema(dsn) as (conn, schema, store, now):
+        messages = [
+            Outgoing(
+                queue=f"q{i % QUEUES}", body=b"x", headers="{}", properties="{}", priority=i % 4
+            )
+            for i in range(READY)
+        ]
+        messages += [
+            Outgoing(
+                queue=f"q{i % QUEUES}",
+                body=b"x",
+                headers="{}",
+                properties="{}",
+                eta=now + timedelta(seconds=2 if i < 5 else 3600),
+            )
+            for i in range(200)
+        ]
+        assert store.publish_many(messages) == len(messages)
+        conn.execute(sql.SQL("ANALYZE {}.message").format(sql.Identifier(schema)))
+        yield conn, schema, now
 
 
 def _nodes(plan: dict[str, Any]) -> Iterator[dict[str, Any]]:
@@ -151,29 +157,22 @@ def believed_empty(dsn: str) -> Iterator[tuple[psycopg.Connection, str, datetime
     zero live rows over the pages the table kept, so the planner estimates any size of
     it at a density of zero rows per page, i.e. one row.
     """
-    schema = f"t_plan_{uuid.uuid4().hex[:8]}"
-    ident = sql.Identifier(schema)
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        migrate(conn, schema)
-        try:
-            now = conn.execute("SELECT now()").fetchone()[0]  # type: ignore[index]
-            store = Store(dsn, parse_options({"schema": schema}))
-            batch = [
-                Outgoing(queue=f"q{i % 5}", body=b"x" * 200, headers="{}", properties="{}")
-                for i in range(6_000)
-            ]
-            store.publish_many(batch)
-            conn.execute(sql.SQL("DELETE FROM {}.message").format(ident))
-            conn.execute(sql.SQL("VACUUM {}.message").format(ident))
-            store.publish_many(batch)
-            row = conn.execute(
-                "SELECT reltuples FROM pg_class WHERE oid = %s::regclass",
-                (f"{ident.as_string(conn)}.message",),
-            ).fetchone()
-            assert row == (0.0,)
-            yield conn, schema, now
-        finally:
-            conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(ident))
+    with _plan_schema(dsn) as (conn, schema, store, now):
+        ident = sql.Identifier(schema)
+        batch = [
+            Outgoing(queue=f"q{i % 5}", body=b"x" * 200, headers="{}", properties="{}")
+            for i in range(6_000)
+        ]
+        store.publish_many(batch)
+        conn.execute(sql.SQL("DELETE FROM {}.message").format(ident))
+        conn.execute(sql.SQL("VACUUM {}.message").format(ident))
+        store.publish_many(batch)
+        row = conn.execute(
+            "SELECT reltuples FROM pg_class WHERE oid = %s::regclass",
+            (f"{ident.as_string(conn)}.message",),
+        ).fetchone()
+        assert row == (0.0,)
+        yield conn, schema, now
 
 
 @pytest.mark.parametrize("name", ["claim", "take", "ack_many", "renew", "release"])

@@ -56,6 +56,39 @@ def _busy(conn: Connection) -> None:
     conn.transport._last_delivery = time.monotonic() + 3600
 
 
+def _failing_on_second(
+    make_connection: Callable[..., Connection], hub: Hub, queue: str, prefetch: int
+) -> tuple[Connection, list[int]]:
+    """A consumer of five messages in ``queue`` whose callback raises on the second."""
+    conn = make_connection(**QUIET)
+    _fill(conn, queue, 5)
+    conn.transport.register_with_event_loop(conn.connection, hub)
+    got: list[int] = []
+
+    def on_message(body: int, message: Any) -> None:
+        got.append(body)
+        if body == 1:
+            raise RuntimeError("the consumer's callback failed")
+
+    Consumer(conn, [Queue(queue)], callbacks=[on_message], prefetch_count=prefetch).consume()
+    conn.transport._pending.add(queue)
+    return conn, got
+
+
+def _spy_fetch_threads(conn: Connection) -> list[str]:
+    """The name of the thread of every claim on ``conn``'s default channel, in order."""
+    threads: list[str] = []
+    channel = conn.default_channel
+    fetch = channel.fetch
+
+    def spy(queue: str, limit: int) -> list[Any]:
+        threads.append(threading.current_thread().name)
+        return fetch(queue, limit)
+
+    channel.fetch = spy
+    return threads
+
+
 def _run_until(hub: Hub, done: Callable[[], bool], timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while not done() and time.monotonic() < deadline:
@@ -69,15 +102,7 @@ def test_claims_run_on_their_own_thread_and_deliver_in_the_loop_thread(
     _fill(conn, "ct", 30)
     conn.transport.register_with_event_loop(conn.connection, hub)
     _busy(conn)
-    fetch_threads: set[str] = set()
-    channel = conn.default_channel
-    fetch = channel.fetch
-
-    def spy(queue: str, limit: int) -> list[Any]:
-        fetch_threads.add(threading.current_thread().name)
-        return fetch(queue, limit)
-
-    channel.fetch = spy
+    fetch_threads = _spy_fetch_threads(conn)
     got: list[tuple[int, str]] = []
     Consumer(
         conn,
@@ -90,7 +115,7 @@ def test_claims_run_on_their_own_thread_and_deliver_in_the_loop_thread(
 
     assert [body for body, _ in got] == list(range(30))
     assert {name for _, name in got} == {threading.current_thread().name}
-    assert fetch_threads == {"pgqueue-claimer"}
+    assert set(fetch_threads) == {"pgqueue-claimer"}
 
 
 def test_a_claim_never_brings_more_than_the_prefetch_window(
@@ -188,20 +213,9 @@ def test_a_database_error_on_the_claim_thread_reaches_the_event_loop(
 def test_a_callback_error_mid_batch_releases_the_rest_of_the_batch(
     make_connection: Callable[..., Connection], hub: Hub, store: Store
 ) -> None:
-    conn = make_connection(**QUIET)
-    _fill(conn, "ctx", 5)
+    conn, got = _failing_on_second(make_connection, hub, "ctx", 10)
     transport = conn.transport
-    transport.register_with_event_loop(conn.connection, hub)
     _busy(conn)
-    got: list[int] = []
-
-    def on_message(body: int, message: Any) -> None:
-        got.append(body)
-        if body == 1:
-            raise RuntimeError("the consumer's callback failed")
-
-    Consumer(conn, [Queue("ctx")], callbacks=[on_message], prefetch_count=10).consume()
-    transport._pending.add("ctx")
     transport._claimer.submit(conn.default_channel, "ctx", 5)  # one batch of 5
     transport._inflight.add("ctx")
     _claim_returned(conn)
@@ -218,19 +232,8 @@ def test_a_callback_error_mid_batch_releases_the_rest_of_the_batch(
 def test_a_callback_error_in_an_idle_consumers_inline_claim_releases_the_rest(
     make_connection: Callable[..., Connection], hub: Hub, store: Store
 ) -> None:
-    conn = make_connection(**QUIET)
-    _fill(conn, "ctxi", 5)
+    conn, got = _failing_on_second(make_connection, hub, "ctxi", 5)
     transport = conn.transport
-    transport.register_with_event_loop(conn.connection, hub)
-    got: list[int] = []
-
-    def on_message(body: int, message: Any) -> None:
-        got.append(body)
-        if body == 1:
-            raise RuntimeError("the consumer's callback failed")
-
-    Consumer(conn, [Queue("ctxi")], callbacks=[on_message], prefetch_count=5).consume()
-    transport._pending.add("ctxi")
 
     with pytest.raises(RuntimeError):
         transport._deliver_pending()  # idle: claims all 5 in this thread
@@ -263,15 +266,7 @@ def test_an_idle_consumer_claims_in_the_loop_thread_then_hands_claims_to_the_thr
     conn = make_connection(**QUIET)
     _fill(conn, "cti", 30)
     conn.transport.register_with_event_loop(conn.connection, hub)
-    fetch_threads: list[str] = []
-    channel = conn.default_channel
-    fetch = channel.fetch
-
-    def spy(queue: str, limit: int) -> list[Any]:
-        fetch_threads.append(threading.current_thread().name)
-        return fetch(queue, limit)
-
-    channel.fetch = spy
+    fetch_threads = _spy_fetch_threads(conn)
     got: list[int] = []
     Consumer(
         conn,
