@@ -56,13 +56,23 @@ def _busy(conn: Connection) -> None:
     conn.transport._last_delivery = time.monotonic() + 3600
 
 
+def _registered(
+    make_connection: Callable[..., Connection], hub: Hub, queue: str, n: int, busy: bool = True
+) -> Connection:
+    """A connection in ``hub``'s loop, with ``n`` messages waiting in ``queue``."""
+    conn = make_connection(**QUIET)
+    _fill(conn, queue, n)
+    conn.transport.register_with_event_loop(conn.connection, hub)
+    if busy:
+        _busy(conn)
+    return conn
+
+
 def _failing_on_second(
     make_connection: Callable[..., Connection], hub: Hub, queue: str, prefetch: int
 ) -> tuple[Connection, list[int]]:
     """A consumer of five messages in ``queue`` whose callback raises on the second."""
-    conn = make_connection(**QUIET)
-    _fill(conn, queue, 5)
-    conn.transport.register_with_event_loop(conn.connection, hub)
+    conn = _registered(make_connection, hub, queue, 5, busy=False)
     got: list[int] = []
 
     def on_message(body: int, message: Any) -> None:
@@ -98,10 +108,7 @@ def _run_until(hub: Hub, done: Callable[[], bool], timeout: float) -> None:
 def test_claims_run_on_their_own_thread_and_deliver_in_the_loop_thread(
     make_connection: Callable[..., Connection], hub: Hub
 ) -> None:
-    conn = make_connection(**QUIET)
-    _fill(conn, "ct", 30)
-    conn.transport.register_with_event_loop(conn.connection, hub)
-    _busy(conn)
+    conn = _registered(make_connection, hub, "ct", 30)
     fetch_threads = _spy_fetch_threads(conn)
     got: list[tuple[int, str]] = []
     Consumer(
@@ -121,10 +128,7 @@ def test_claims_run_on_their_own_thread_and_deliver_in_the_loop_thread(
 def test_a_claim_never_brings_more_than_the_prefetch_window(
     make_connection: Callable[..., Connection], hub: Hub
 ) -> None:
-    conn = make_connection(**QUIET)
-    _fill(conn, "ctw", 20)
-    conn.transport.register_with_event_loop(conn.connection, hub)
-    _busy(conn)
+    conn = _registered(make_connection, hub, "ctw", 20)
     held: list[Any] = []
     Consumer(
         conn, [Queue("ctw")], callbacks=[lambda b, m: held.append(m)], prefetch_count=3
@@ -141,11 +145,8 @@ def test_a_claim_never_brings_more_than_the_prefetch_window(
 def test_messages_claimed_for_a_consumer_cancelled_meanwhile_come_back_at_once(
     make_connection: Callable[..., Connection], hub: Hub, store: Store
 ) -> None:
-    conn = make_connection(**QUIET)
-    _fill(conn, "ctc", 5)
+    conn = _registered(make_connection, hub, "ctc", 5)
     transport = conn.transport
-    transport.register_with_event_loop(conn.connection, hub)
-    _busy(conn)
     got: list[int] = []
     consumer = Consumer(
         conn, [Queue("ctc")], callbacks=[lambda b, m: got.append(b)], prefetch_count=10
@@ -165,11 +166,8 @@ def test_messages_claimed_for_a_consumer_cancelled_meanwhile_come_back_at_once(
 def test_a_wakeup_during_a_short_claim_keeps_the_queue_pending(
     make_connection: Callable[..., Connection], hub: Hub
 ) -> None:
-    conn = make_connection(**QUIET)
-    _fill(conn, "ctn", 1)
+    conn = _registered(make_connection, hub, "ctn", 1)
     transport = conn.transport
-    transport.register_with_event_loop(conn.connection, hub)
-    _busy(conn)
     got: list[int] = []
     Consumer(
         conn, [Queue("ctn")], callbacks=[lambda b, m: (got.append(b), m.ack())], prefetch_count=10
@@ -189,11 +187,8 @@ def test_a_wakeup_during_a_short_claim_keeps_the_queue_pending(
 def test_a_database_error_on_the_claim_thread_reaches_the_event_loop(
     make_connection: Callable[..., Connection], hub: Hub
 ) -> None:
-    conn = make_connection(**QUIET)
-    _fill(conn, "cte", 1)
+    conn = _registered(make_connection, hub, "cte", 1)
     transport = conn.transport
-    transport.register_with_event_loop(conn.connection, hub)
-    _busy(conn)
     Consumer(conn, [Queue("cte")], callbacks=[lambda b, m: m.ack()]).consume()
 
     def broken(queue: str, limit: int) -> list[Any]:
@@ -246,10 +241,7 @@ def test_a_callback_error_in_an_idle_consumers_inline_claim_releases_the_rest(
 def test_drain_events_still_delivers_while_registered_with_a_loop(
     make_connection: Callable[..., Connection], hub: Hub
 ) -> None:
-    conn = make_connection(**QUIET)
-    _fill(conn, "ctd", 3)
-    conn.transport.register_with_event_loop(conn.connection, hub)
-    _busy(conn)
+    conn = _registered(make_connection, hub, "ctd", 3)
     got: list[int] = []
     Consumer(conn, [Queue("ctd")], callbacks=[lambda b, m: (got.append(b), m.ack())]).consume()
 
@@ -263,9 +255,7 @@ def test_drain_events_still_delivers_while_registered_with_a_loop(
 def test_an_idle_consumer_claims_in_the_loop_thread_then_hands_claims_to_the_thread(
     make_connection: Callable[..., Connection], hub: Hub
 ) -> None:
-    conn = make_connection(**QUIET)
-    _fill(conn, "cti", 30)
-    conn.transport.register_with_event_loop(conn.connection, hub)
+    conn = _registered(make_connection, hub, "cti", 30, busy=False)
     fetch_threads = _spy_fetch_threads(conn)
     got: list[int] = []
     Consumer(
