@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kombu.utils.text import escape_regex
 from psycopg import conninfo as pg_conninfo
 from psycopg import pq
 
@@ -100,6 +101,22 @@ def check_name(kind: str, name: Any) -> str:
     if "\x00" in name:
         raise ConfigurationError(f"{kind} name {name!r} contains a NUL character")
     return name
+
+
+#: a topic binding's wildcard words, as PostgreSQL regular expressions
+_TOPIC_WILDCARDS = {"*": r"[^.]+", "#": r"[^\n]*?"}
+
+
+def topic_pattern(binding_key: str) -> str:
+    """Return the PostgreSQL regular expression that routes ``binding_key`` as Kombu does.
+
+    Kombu matches topic bindings with Python's ``re``, where ``.`` does not cross a
+    newline and a final ``$`` also matches before a trailing newline; PostgreSQL's ``.``
+    and ``$`` do neither. Words are escaped exactly as Kombu escapes them.
+    """
+    words = escape_regex(binding_key, ".#*").split(".")
+    body = r"\.".join(_TOPIC_WILDCARDS.get(word, word) for word in words)
+    return f"^{body}\\n?$"
 
 
 def check_schema(schema: Any) -> str:

@@ -103,7 +103,7 @@ from ._acks import AckBatcher
 from ._claimer import Claimer
 from ._leases import LeaseKeeper
 from ._listener import Listener, Wakeups
-from ._options import build_conninfo, check_name, parse_options, task_dedup_key
+from ._options import build_conninfo, check_name, parse_options, task_dedup_key, topic_pattern
 from ._store import Delivered, Outgoing, Store, new_lease
 from .exceptions import ConfigurationError, MessageError
 
@@ -349,6 +349,9 @@ class Channel(virtual.Channel):
 
     def _queue_bind(self, exchange: str, routing_key: str, pattern: Any, queue: str) -> None:
         check_name("routing key", routing_key or "")
+        if pattern is not None and self.typeof(exchange).type == "topic":
+            # routed in SQL, so the pattern must match in PostgreSQL as Kombu's does in re
+            pattern = topic_pattern(routing_key or "")
         self.store.bind(exchange, routing_key or "", queue, pattern)
 
     def queue_unbind(

@@ -379,6 +379,18 @@ def snapshot(ctx: Context, vacuum_every: float) -> Result:
         window = min(30.0, hold / 2)
         r_first = rate(marks["during"], marks["during"] + window)
         r_last = rate(marks["after"] - window, marks["after"])
+        # "recovers when it ends": the after phase in 10 s windows, and the first window
+        # from which every later one is back at 80 % of before
+        steps = [marks["after"] + 10 * k for k in range(int(after // 10) + 1)]
+        r_steps = [rate(a, b) for a, b in zip(steps, steps[1:])]
+        recovered = next(
+            (
+                10 * k
+                for k in range(len(r_steps))
+                if all(r >= 0.8 * r_before for r in r_steps[k:])
+            ),
+            None,
+        )
         claims = _merge(reports, 1)
 
         def claim_p50(a: str, b: str) -> str:
@@ -413,6 +425,14 @@ def snapshot(ctx: Context, vacuum_every: float) -> Result:
             (
                 "throughput after it ended (msg/s)",
                 f"{r_after:.0f} ({r_after / r_before:.0%} of before); {claim_p50('after', 'end')}",
+            ),
+            (
+                "  after, per 10 s (msg/s)",
+                " / ".join(f"{r:.0f}" for r in r_steps),
+            ),
+            (
+                "  back at >= 80 % of before, and staying there",
+                "not within the after phase" if recovered is None else f"{recovered} s after",
             ),
         ]
         result.measures += [(f"message table, {k}", _fmt_stats(v)) for k, v in stats.items()]

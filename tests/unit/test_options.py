@@ -17,6 +17,7 @@ from kombu_pgqueue._options import (
     mask,
     notify_channel,
     parse_options,
+    topic_pattern,
 )
 
 
@@ -332,3 +333,11 @@ def test_synchronous_commit_rejects_unknown_values() -> None:
 
     with pytest.raises(ConfigurationError, match="synchronous_commit"):
         parse({"synchronous_commit": "sometimes"})
+
+
+def test_topic_pattern_keeps_kombus_newline_rules_in_postgresql_syntax() -> None:
+    # '#' may not cross a newline (Python's .), and a trailing newline may follow the
+    # key (Python's $); words are escaped as Kombu escapes them
+    assert topic_pattern("#") == r"^[^\n]*?\n?$"
+    assert topic_pattern("a.*.b") == r"^a\.[^.]+\.b\n?$"
+    assert topic_pattern("q(x)") == r"^q\(x\)\n?$"
