@@ -6,11 +6,13 @@ Nothing here touches a database, so it is unit-tested without one.
 from __future__ import annotations
 
 import os
+import re
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kombu.transport.virtual.exchange import TopicExchange
 from kombu.utils.text import escape_regex
 from psycopg import conninfo as pg_conninfo
 from psycopg import pq
@@ -115,6 +117,17 @@ def topic_pattern(binding_key: str) -> str:
     and ``$`` do neither. Words are escaped exactly as Kombu escapes them.
     """
     words = escape_regex(binding_key, ".#*").split(".")
+    try:
+        # Kombu leaves a '*' or '#' inside a word unescaped; where that makes its pattern
+        # invalid, no message could be routed through the binding (PostgreSQL rejects
+        # exactly those patterns too), so the binding is refused, not stored
+        re.compile(r"\.".join(TopicExchange.wildcards.get(word, word) for word in words))
+    except re.error as exc:
+        raise ConfigurationError(
+            f"topic binding key {binding_key!r} is not a valid pattern ({exc}): '*' and '#' "
+            "are wildcards only as whole words between dots; inside a word Kombu reads "
+            "them as parts of a regular expression"
+        ) from exc
     body = r"\.".join(_TOPIC_WILDCARDS.get(word, word) for word in words)
     return f"^{body}\\n?$"
 

@@ -347,6 +347,18 @@ class Channel(virtual.Channel):
         self.store.delete_exchange(exchange)
         self.state.exchanges.pop(exchange, None)
 
+    def queue_bind(
+        self,
+        queue: str,
+        exchange: str | None = None,
+        routing_key: str = "",
+        arguments: Any = None,
+        **kwargs: Any,
+    ) -> Any:
+        if exchange and self.typeof(exchange).type == "topic":
+            topic_pattern(routing_key or "")  # refused before Kombu records the binding
+        return super().queue_bind(queue, exchange, routing_key, arguments, **kwargs)
+
     def _queue_bind(self, exchange: str, routing_key: str, pattern: Any, queue: str) -> None:
         check_name("routing key", routing_key or "")
         if pattern is not None and self.typeof(exchange).type == "topic":

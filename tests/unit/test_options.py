@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 from psycopg.conninfo import conninfo_to_dict
@@ -341,3 +342,9 @@ def test_topic_pattern_keeps_kombus_newline_rules_in_postgresql_syntax() -> None
     assert topic_pattern("#") == r"^[^\n]*?\n?$"
     assert topic_pattern("a.*.b") == r"^a\.[^.]+\.b\n?$"
     assert topic_pattern("q(x)") == r"^q\(x\)\n?$"
+
+
+@pytest.mark.parametrize("key", ["*0", "a.**", "a*b**"])
+def test_topic_pattern_refuses_a_key_no_message_could_pass(key: str) -> None:
+    with pytest.raises(ConfigurationError, match=f"topic binding key {re.escape(repr(key))}"):
+        topic_pattern(key)
