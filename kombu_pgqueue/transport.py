@@ -112,7 +112,8 @@ logger = logging.getLogger(__name__)
 #: a batch size for consumers that set no prefetch limit
 UNLIMITED_BATCH = 100
 
-#: seconds a consumer that still holds messages waits for half its window to free
+#: seconds a consumer that still holds messages waits for three quarters of its window
+#: to free (see Channel.batch_limit)
 CLAIM_BATCH_WAIT = 0.05
 
 #: a consumer that delivered nothing for this long claims in the event loop's own
@@ -490,8 +491,13 @@ class Channel(virtual.Channel):
         """How many messages this channel should claim now (0: not yet).
 
         Within the prefetch window, but not one slot at a time: while the channel
-        still holds messages, it waits until half the window is free (or a moment has
-        passed), so a worker refills in batches instead of paying a claim per task.
+        still holds more than a quarter of its window (and more than one message), it
+        waits (CLAIM_BATCH_WAIT at most), so a worker refills in batches instead of
+        paying a claim per task. A quarter, not half: a Celery prefork -c 2 worker
+        (window 8) then claims 6 at a time instead of 4, and its main process, which
+        bounds the drain rate, spent 269 instead of 318 us per no-op task
+        (benchmarks/probes/drain_cpu.py); what it still holds keeps the pool busy
+        meanwhile.
         """
         if not self.qos.can_consume():
             return 0
@@ -504,8 +510,7 @@ class Channel(virtual.Channel):
         window = self.qos.prefetch_count
         holding = window - estimate
         if (
-            holding > 0
-            and estimate * 2 < window
+            holding > max(1, window // 4)
             and time.monotonic() - self._last_claim < CLAIM_BATCH_WAIT
         ):
             return 0
