@@ -125,12 +125,17 @@ def test_claim_delivers_higher_priority_first_fifo_within_in_one_batch(
     consumer.cancel()
 
 
+def _backlog(conn: Connection, name: str, n: int, prefetch: int) -> tuple[Consumer, list[Any]]:
+    """Publish 0..n-1 to queue ``name``, then consume it with a prefetch window."""
+    queue = Queue(name)
+    producer = Producer(conn)
+    for k in range(n):
+        producer.publish(k, routing_key=name, declare=[queue])
+    return _collect(conn, [queue], prefetch_count=prefetch)
+
+
 def test_basic_qos_prefetch_limits_the_batch(connection: Connection) -> None:
-    queue = Queue("prefetch")
-    producer = Producer(connection)
-    for n in range(5):
-        producer.publish(n, routing_key="prefetch", declare=[queue])
-    consumer, got = _collect(connection, [queue], prefetch_count=2)
+    consumer, got = _backlog(connection, "prefetch", 5, prefetch=2)
 
     connection.drain_events(timeout=5)
     assert [m.payload for m in got] == [0, 1]
@@ -148,11 +153,7 @@ def test_basic_qos_prefetch_limits_the_batch(connection: Connection) -> None:
 def test_batch_limit_waits_until_at_most_a_quarter_of_the_window_is_held(
     connection: Connection,
 ) -> None:
-    queue = Queue("quarter")
-    producer = Producer(connection)
-    for n in range(12):
-        producer.publish(n, routing_key="quarter", declare=[queue])
-    consumer, got = _collect(connection, [queue], prefetch_count=8)
+    consumer, got = _backlog(connection, "quarter", 12, prefetch=8)
     connection.drain_events(timeout=5)
     assert len(got) == 8
     channel = connection.default_channel
