@@ -52,7 +52,9 @@ Transport options
   False deletes each row before ``ack()`` returns.
 * ``claim_thread`` (bool, True): a consumer in an event loop (a Celery worker) runs its
   claims on a helper thread, so the loop goes on dispatching tasks and reading results
-  while a claim waits on the database. False claims in the loop's own thread.
+  while a claim waits on the database. False claims in the loop's own thread; then a
+  task claimed by the loop's tick callback (the first safety poll after a reconnect, a
+  window that opened again) can wait in a prefork pool until the loop's next wakeup.
 * ``dedup_task_ids`` (bool, True): a Celery task message whose id and retry count
   are already in its queue (waiting, or running with ``acks_late``; with early acks
   the row is gone once the task starts) is not queued again, so a publish that
@@ -724,13 +726,19 @@ class Transport(virtual.Transport):
         if wake.due is not None:
             self._schedule_due(wake.due)
 
-    def _deliver_pending(self, inline: bool = False) -> int:
+    def _deliver_pending(self, inline: bool = False, in_tick: bool = False) -> int:
         """Claim from every queue with news, within each channel's prefetch window.
 
         In an event loop with the claim thread, this only starts the claims (see
         :meth:`_on_claimed`), except for no-ack queues (a take deletes what it hands
         out, so it must be delivered at once), when ``inline``, and when nothing was
-        delivered for IDLE_INLINE_SECONDS (the loop is idle: the claim is quicker here).
+        delivered for IDLE_INLINE_SECONDS (the loop is idle: the claim is quicker here)
+        unless called from the loop's tick callbacks (``in_tick``): Celery's prefork
+        pool schedules the writes of the tasks handed to it in a tick callback of its
+        own, and a task handed over in a tick callback that runs after it waits for the
+        next tick, which comes after a poll that can sleep until the next timer (2 to 5
+        s in the chaos listenkill scenario). The claim thread's result comes back as a
+        readable pipe instead, and tasks delivered from a reader are written at once.
         """
         delivered = 0
         for queue in list(self._pending):
@@ -747,7 +755,7 @@ class Transport(virtual.Transport):
                 self._claimer is not None
                 and not inline
                 and queue not in channel._noack_queues
-                and not self._idle(channel)
+                and (in_tick or not self._idle(channel))
             ):
                 self._inflight.add(queue)
                 channel._claiming += limit
@@ -968,7 +976,7 @@ class Transport(virtual.Transport):
         if self._next_poll == 0.0 and self._owner:
             self._poll()
         if self._pending:
-            self._deliver_pending()
+            self._deliver_pending(in_tick=True)
 
     def _on_due(self) -> None:
         self._next_due = None

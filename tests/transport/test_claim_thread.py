@@ -255,7 +255,7 @@ def test_drain_events_still_delivers_while_registered_with_a_loop(
 def test_an_idle_consumer_claims_in_the_loop_thread_then_hands_claims_to_the_thread(
     make_connection: Callable[..., Connection], hub: Hub
 ) -> None:
-    conn = _registered(make_connection, hub, "cti", 30, busy=False)
+    conn = _registered(make_connection, hub, "cti", 0, busy=False)
     fetch_threads = _spy_fetch_threads(conn)
     got: list[int] = []
     Consumer(
@@ -264,6 +264,10 @@ def test_an_idle_consumer_claims_in_the_loop_thread_then_hands_claims_to_the_thr
         callbacks=[lambda body, m: (got.append(body), m.ack())],
         prefetch_count=4,
     ).consume()
+    # the first tick claims (on the claim thread) and finds nothing
+    _run_until(hub, lambda: bool(fetch_threads) and not conn.transport._inflight, 10)
+    del fetch_threads[:]
+    _fill(conn, "cti", 30)  # the NOTIFY wakes the idle consumer through its LISTEN socket
 
     _run_until(hub, lambda: len(got) == 30, 20)
 
@@ -271,3 +275,24 @@ def test_an_idle_consumer_claims_in_the_loop_thread_then_hands_claims_to_the_thr
     # the first claim found the consumer idle; later ones came while it held messages
     assert fetch_threads[0] == threading.current_thread().name
     assert "pgqueue-claimer" in fetch_threads[1:]
+
+
+def test_a_tick_callback_never_claims_inline_even_for_an_idle_consumer(
+    make_connection: Callable[..., Connection], hub: Hub
+) -> None:
+    # Celery's prefork pool schedules the writes of the tasks handed to it in a tick
+    # callback of its own; a task handed over from a tick callback that runs after it
+    # waited for the next tick, seconds away (chaos listenkill, 2026-11-24)
+    conn = _registered(make_connection, hub, "ctt", 1, busy=False)
+    fetch_threads = _spy_fetch_threads(conn)
+    got: list[int] = []
+    Consumer(
+        conn, [Queue("ctt")], callbacks=[lambda b, m: (got.append(b), m.ack())], prefetch_count=4
+    ).consume()
+
+    conn.transport._on_tick()  # the first tick: its safety poll finds the message
+
+    assert got == []  # nothing was handed out from within the tick
+    _run_until(hub, lambda: got == [0], 10)
+    assert got == [0]
+    assert fetch_threads == ["pgqueue-claimer"]
