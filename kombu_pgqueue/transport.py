@@ -88,6 +88,7 @@ Transport options
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from datetime import datetime, timedelta, timezone
@@ -132,6 +133,20 @@ IDLE_INLINE_SECONDS = 0.02
 #: if nothing else wakes the consumer, and only while the head is slow)
 SLOW_CLAIM_SECONDS = 0.005
 RESUME_SECONDS = 1.0
+
+
+def _loads(text: str) -> Any:
+    """Kombu's JSON ``loads``, without its per-object hook where no object can need it.
+
+    Kombu's hook only turns objects whose keys are ``__type__`` and ``__value__`` back
+    into datetimes, UUIDs and the like; a key can only be spelled that way, or with a
+    ``\\u`` escape. Without either in the text, the standard library's decoder gives the
+    same result and builds no decoder and calls no Python function per object: headers
+    and properties are decoded for every message a worker receives.
+    """
+    if "__type__" in text or "\\u" in text:
+        return loads(text)
+    return json.loads(text)
 
 
 def _parse_tag(delivery_tag: str) -> tuple[int, int]:
@@ -556,7 +571,7 @@ class Channel(virtual.Channel):
         return rows
 
     def _payload(self, row: Delivered, queue: str, lease: int) -> dict[str, Any]:
-        properties = loads(row.properties)
+        properties = _loads(row.properties)
         properties["delivery_tag"] = f"{row.id}.{lease}"
         properties.pop("expiration", None)
         delivery_info = properties.setdefault("delivery_info", {})
@@ -570,7 +585,7 @@ class Channel(virtual.Channel):
             "body": bytes(row.body),
             "content-type": row.content_type,
             "content-encoding": row.content_encoding,
-            "headers": loads(row.headers),
+            "headers": _loads(row.headers),
             "properties": properties,
         }
 
