@@ -42,7 +42,7 @@ class Options:
     sweep_interval: float = 30.0
     listen: bool = True
     batch_acks: bool = True
-    claim_thread: bool = True
+    async_claims: bool = True
     dedup_task_ids: bool = True
     relax_consumer_commits: bool = True
     auto_migrate: bool = True
@@ -191,11 +191,13 @@ def parse_options(transport_options: Mapping[str, Any]) -> Options:
         kwargs["prepare_threshold"] = (
             None if value is None else _number("prepare_threshold", value, minimum=0, integer=True)
         )
+    if "claim_thread" in topts and "async_claims" not in topts:
+        topts["async_claims"] = topts["claim_thread"]  # its name before 2026-11-24
     for name in (
         "listen",
         "auto_migrate",
         "batch_acks",
-        "claim_thread",
+        "async_claims",
         "dedup_task_ids",
         "relax_consumer_commits",
     ):

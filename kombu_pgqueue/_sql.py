@@ -82,6 +82,28 @@ def queries(schema: str) -> dict[str, sql.Composed]:
     return {name: sql.SQL(text).format(schema=ident) for name, text in raw_queries().items()}
 
 
+_PLACEHOLDER = re.compile(r"%\((\w+)\)s|%%")
+
+
+@cache
+def positional(schema: str, name: str) -> tuple[bytes, tuple[str, ...]]:
+    """Statement ``name`` for ``schema`` with ``$1``, ``$2``... in place of ``%(key)s``.
+
+    Returns the text and the key of each position; a key used twice gets one position.
+    """
+    names: list[str] = []
+
+    def number(match: re.Match[str]) -> str:
+        if match[1] is None:
+            return "%"
+        if match[1] not in names:
+            names.append(match[1])
+        return f"${names.index(match[1]) + 1}"
+
+    text = queries(schema)[name].as_string(None)
+    return _PLACEHOLDER.sub(number, text).encode("utf-8"), tuple(names)
+
+
 def migration_files() -> list[tuple[int, str, str]]:
     """Return ``(version, slug, text)`` for every migration, oldest first."""
     folder = resources.files(__package__).joinpath("sql", "migrations")

@@ -368,20 +368,39 @@ class Store:
         ``after`` = (priority, id) claims only messages of that priority with a larger
         id (statement ``claim_after``): the index scan starts right there.
         """
-        rows = self._rows(
-            "claim" if after is None else "claim_after",
-            {
-                "queue": queue,
-                "limit": limit,
-                "lease": lease,
-                "lease_seconds": self.options.visibility_timeout,
-                "max_attempts": self.options.claim_attempt_limit,
-                "now": now,
-                "after_priority": None if after is None else after[0],
-                "after_id": None if after is None else after[1],
-            },
-        )
-        return [Delivered(*row) for row in rows]
+        return self.claim_with(*self.claim_params(queue, limit, lease, now, after))
+
+    def claim_with(self, name: str, params: dict[str, Any]) -> list[Delivered]:
+        """Run a claim that :meth:`claim_params` prepared."""
+        return [Delivered(*row) for row in self._rows(name, params)]
+
+    def claim_params(
+        self,
+        queue: str,
+        limit: int,
+        lease: int,
+        now: datetime | None = None,
+        after: tuple[int, int] | None = None,
+    ) -> tuple[str, dict[str, Any]]:
+        """The statement name and parameters of :meth:`claim` (also sent by the loop claimer)."""
+        return "claim" if after is None else "claim_after", {
+            "queue": queue,
+            "limit": limit,
+            "lease": lease,
+            "lease_seconds": self.options.visibility_timeout,
+            "max_attempts": self.options.claim_attempt_limit,
+            "now": now,
+            "after_priority": None if after is None else after[0],
+            "after_id": None if after is None else after[1],
+            "synchronous_commit": "off" if self.options.relax_consumer_commits else None,
+        }
+
+    def positional(self, name: str) -> tuple[bytes, tuple[str, ...]]:
+        """Statement ``name`` with ``$n`` placeholders, and the parameter name of each n.
+
+        For libpq's own calls (the loop claimer sends claims without waiting for them).
+        """
+        return _sql.positional(self.schema, name)
 
     def take(self, queue: str, limit: int, now: datetime | None = None) -> list[Delivered]:
         rows = self._rows("take", {"queue": queue, "limit": limit, "now": now})

@@ -50,11 +50,13 @@ Transport options
   acked since its last statement in one statement (as AMQP acks, they are not
   confirmed; a process killed right after ``ack()`` gets the message redelivered).
   False deletes each row before ``ack()`` returns.
-* ``claim_thread`` (bool, True): a consumer in an event loop (a Celery worker) runs its
-  claims on a helper thread, so the loop goes on dispatching tasks and reading results
-  while a claim waits on the database. False claims in the loop's own thread; then a
+* ``async_claims`` (bool, True): a consumer in an event loop (a Celery worker) sends
+  its claims on a connection of its own without waiting for them (the socket is a
+  reader of the loop), so the loop goes on dispatching tasks and reading results while
+  a claim is in the database. False claims in the loop's own thread, waiting; then a
   task claimed by the loop's tick callback (the first safety poll after a reconnect, a
   window that opened again) can wait in a prefork pool until the loop's next wakeup.
+  ``claim_thread`` is its former name (claims ran on a helper thread then).
 * ``dedup_task_ids`` (bool, True): a Celery task message whose id and retry count
   are already in its queue (waiting, or running with ``acks_late``; with early acks
   the row is gone once the task starts) is not queued again, so a publish that
@@ -91,6 +93,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
@@ -120,9 +123,10 @@ UNLIMITED_BATCH = 100
 CLAIM_BATCH_WAIT = 0.05
 
 #: a consumer that delivered nothing for this long claims in the event loop's own
-#: thread: the loop has nothing else to do meanwhile, and the hops to the claim thread
-#: and back (a thread wakeup, then a pipe write and another loop wakeup) came to about
-#: a tenth of the time from apply_async to task start on an idle prefork worker
+#: thread, waiting for the answer: the loop has nothing else to do meanwhile, and the
+#: hops to a claim thread and back (a thread wakeup, then a pipe write and another loop
+#: wakeup) came to about a tenth of the time from apply_async to task start on an idle
+#: prefork worker
 IDLE_INLINE_SECONDS = 0.02
 
 #: a claim from the head slower than this (it stepped over many acked rows that VACUUM
@@ -147,6 +151,19 @@ def _loads(text: str) -> Any:
     if "__type__" in text or "\\u" in text:
         return loads(text)
     return json.loads(text)
+
+
+@dataclass(slots=True)
+class ClaimJob:
+    """One claim, decided by :meth:`Channel.claim_job` before it is sent."""
+
+    queue: str
+    limit: int
+    lease: int
+    #: (priority, id, until): the claim resumes after that message (statement claim_after)
+    resume: tuple[int, int, float] | None
+    statement: str
+    params: dict[str, Any]
 
 
 def _parse_tag(delivery_tag: str) -> tuple[int, int]:
@@ -278,7 +295,7 @@ class Channel(virtual.Channel):
         self._dedup_task_ids = connection.options.dedup_task_ids
         self._noack_queues: set[str] = set()
         self._last_claim = 0.0
-        #: messages that claims in flight on the claim thread may still bring
+        #: messages that claims in flight (see _claimer) may still bring
         self._claiming = 0
         #: queue -> (priority, id, until): where this channel resumes claiming, see _claim
         self._resume: dict[str, tuple[int, int, float]] = {}
@@ -526,49 +543,55 @@ class Channel(virtual.Channel):
             return 0
         window = self.qos.prefetch_count
         holding = window - estimate
-        if (
-            holding > max(1, window // 4)
-            and time.monotonic() - self._last_claim < CLAIM_BATCH_WAIT
-        ):
+        if holding > max(1, window // 4) and time.monotonic() - self._last_claim < CLAIM_BATCH_WAIT:
             return 0
         return int(estimate)
 
     def fetch(self, queue: str, limit: int) -> list[dict[str, Any]]:
         """Claim up to ``limit`` messages of ``queue`` as Kombu payloads."""
-        self._last_claim = time.monotonic()
         # no flush of pending acks first: an acked message still holds its lease until
         # the ack thread deletes it, so a claim cannot hand it out meanwhile
         if queue in self._noack_queues:
+            self._last_claim = time.monotonic()
             return [self._payload(row, queue, 0) for row in self.store.take(queue, limit)]
-        lease = new_lease()
-        rows = self._claim(queue, limit, lease)
-        if rows:
-            _counters.add("claimed", queue, len(rows))
-            _counters.add("redelivered", queue, sum(row.attempts > 1 for row in rows))
-        return [self._payload(row, queue, lease) for row in rows]
+        job = self.claim_job(queue, limit)
+        began = time.perf_counter()
+        rows = self.store.claim_with(job.statement, job.params)
+        return self.claimed(job, rows, time.perf_counter() - began)
 
-    def _claim(self, queue: str, limit: int, lease: int) -> list[Delivered]:
-        now = time.monotonic()
+    def claim_job(self, queue: str, limit: int) -> ClaimJob:
+        """Decide how to claim from ``queue`` now: from its head, or after this channel's
+        last message there (see :meth:`claimed`)."""
+        now = self._last_claim = time.monotonic()
         resume = self._resume.get(queue)
-        if resume is None or now >= resume[2]:
-            began = time.perf_counter()
-            rows = self.store.claim(queue, limit, lease)
-            took = time.perf_counter() - began
+        if resume is not None and now >= resume[2]:
+            resume = None
+        lease = new_lease()
+        after = None if resume is None else resume[:2]
+        statement, params = self.store.claim_params(queue, limit, lease, after=after)
+        return ClaimJob(queue, limit, lease, resume, statement, params)
+
+    def claimed(self, job: ClaimJob, rows: list[Delivered], took: float) -> list[dict[str, Any]]:
+        """The payloads of what ``job`` claimed, ``took`` seconds after it was sent."""
+        queue = job.queue
+        if job.resume is None:
             if rows and took > SLOW_CLAIM_SECONDS:
                 # the slower the head, the longer until the next look at it (at most
                 # about 5 % of the time goes to claims from the head)
-                until = now + max(RESUME_SECONDS, 20 * took)
+                until = time.monotonic() + max(RESUME_SECONDS, 20 * took)
                 self._resume[queue] = (rows[-1].priority, rows[-1].id, until)
             else:
                 self._resume.pop(queue, None)
-            return rows
-        rows = self.store.claim(queue, limit, lease, after=resume[:2])
-        if rows:
-            self._resume[queue] = (rows[-1].priority, rows[-1].id, resume[2])
+        elif rows:
+            self._resume[queue] = (rows[-1].priority, rows[-1].id, job.resume[2])
         # A short range means this consumer caught up with the producers; it does not go
         # back to the head for the rest (that would cost a slow head walk per wakeup, as
         # often as messages arrive): requeued and older messages wait for the period.
-        return rows
+        if rows:
+            _counters.add("claimed", queue, len(rows))
+            _counters.add("redelivered", queue, sum(row.attempts > 1 for row in rows))
+        lease = job.lease
+        return [self._payload(row, queue, lease) for row in rows]
 
     def _payload(self, row: Delivered, queue: str, lease: int) -> dict[str, Any]:
         properties = _loads(row.properties)
@@ -640,7 +663,7 @@ class Transport(virtual.Transport):
         self._owner: dict[str, Channel] = {}
         self._pending: set[str] = set()
         self._claimer: Claimer | None = None
-        #: queues with a claim on the claim thread, and those woken meanwhile
+        #: queues with a claim in flight, and those woken meanwhile
         self._inflight: set[str] = set()
         self._last_delivery = 0.0
         self._renotified: set[str] = set()
@@ -729,9 +752,6 @@ class Transport(virtual.Transport):
         for channel in list(self.channels):
             if channel._qos is not None:
                 held.extend(channel._qos.held())
-        claimer = self._claimer
-        if claimer is not None:  # claimed, not yet handed to the loop
-            held.extend(_parse_tag(p["properties"]["delivery_tag"]) for p, _ in claimer.held())
         return held
 
     def _wake(self, wake: Wakeups) -> None:
@@ -744,7 +764,7 @@ class Transport(virtual.Transport):
     def _deliver_pending(self, inline: bool = False, in_tick: bool = False) -> int:
         """Claim from every queue with news, within each channel's prefetch window.
 
-        In an event loop with the claim thread, this only starts the claims (see
+        In an event loop with asynchronous claims, this only sends the claims (see
         :meth:`_on_claimed`), except for no-ack queues (a take deletes what it hands
         out, so it must be delivered at once), when ``inline``, and when nothing was
         delivered for IDLE_INLINE_SECONDS (the loop is idle: the claim is quicker here)
@@ -752,8 +772,8 @@ class Transport(virtual.Transport):
         pool schedules the writes of the tasks handed to it in a tick callback of its
         own, and a task handed over in a tick callback that runs after it waits for the
         next tick, which comes after a poll that can sleep until the next timer (2 to 5
-        s in the chaos listenkill scenario). The claim thread's result comes back as a
-        readable pipe instead, and tasks delivered from a reader are written at once.
+        s in the chaos listenkill scenario). The claim's answer comes back on a readable
+        socket instead, and tasks delivered from a reader are written at once.
         """
         delivered = 0
         for queue in list(self._pending):
@@ -772,9 +792,9 @@ class Transport(virtual.Transport):
                 and queue not in channel._noack_queues
                 and (in_tick or not self._idle(channel))
             ):
+                self._claimer.submit(channel, queue, limit)
                 self._inflight.add(queue)
                 channel._claiming += limit
-                self._claimer.submit(channel, queue, limit)
                 continue
             payloads = channel.fetch(queue, limit)
             error, rest = self._hand_out(queue, limit, payloads)
@@ -789,7 +809,7 @@ class Transport(virtual.Transport):
         return delivered
 
     def _on_claimed(self, fileno: int | None = None) -> None:
-        """Deliver what the claim thread brought (in the event loop's thread)."""
+        """Deliver what the claims in flight brought (their socket is readable)."""
         if self._claimer is None:
             return
         results = self._claimer.results()
@@ -947,8 +967,8 @@ class Transport(virtual.Transport):
         if listener is not None:
             self._loop_fd = listener.fileno()
             loop.add_reader(self._loop_fd, self._on_readable, self._loop_fd)
-        if self.options.claim_thread:
-            self._claimer = Claimer(self._release_results)
+        if self.options.async_claims:
+            self._claimer = Claimer(self.store, self._release_results)
             loop.add_reader(self._claimer.fileno(), self._on_claimed, self._claimer.fileno())
         loop.on_tick.add(self._on_tick)
         self._timers.append(loop.call_repeatedly(self.options.polling_interval, self._poll))

@@ -7,8 +7,8 @@ Loads N no-op tasks (default 30,000; pgqueue by COPY, other brokers by apply_asy
 starts ``celery -A lat_app worker -P prefork -c 2``, and reads every process's CPU time
 (/proc/PID/stat, user + system) when the 3,000th task starts and when the (N-3,000)th
 does, so start-up and the tail are left out. Prints tasks/s over that stretch and the
-CPU microseconds per task (user and system) of: the worker's main process, its pool children, PostgreSQL
-backends, RabbitMQ (beam.smp), Redis, everything else.
+CPU microseconds per task (user and system) of: the worker's main process, its pool
+children, PostgreSQL backends, RabbitMQ (beam.smp), Redis, everything else.
 """
 
 from __future__ import annotations

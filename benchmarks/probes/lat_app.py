@@ -4,8 +4,10 @@
 
 Each line is ``<epoch seconds> <pid> <event>``. With ``PROBE_STEPS=1`` the worker
 also records when the LISTEN socket became readable, each claim's start and end, and
-when the claim thread's result reached the event loop. ``PROBE_NO_IDLE=1`` sends every
-claim through the claim thread (the A/B of idle consumers claiming inline).
+when a claim's answer reached the event loop. ``PROBE_NO_IDLE=1`` sends every claim
+without waiting (the A/B of idle consumers claiming inline). ``PROBE_SWITCH`` sets the
+worker's ``sys.setswitchinterval``; ``PROBE_OPTS`` is JSON merged into the transport
+options (``PROBE_OPTS='{"async_claims": false}'``).
 """
 
 from __future__ import annotations
@@ -40,25 +42,30 @@ if os.environ.get("PROBE_NO_IDLE") == "1":
 
 if os.environ.get("PROBE_STEPS") == "1":
     _readable = pgq.Transport._on_readable
-    _fetch = pgq.Channel.fetch
     _claimed = pgq.Transport._on_claimed
 
     def _on_readable(self: Any, fileno: int) -> None:
         ev("readable")
         _readable(self, fileno)
 
-    def fetch(self: Any, queue: str, limit: int) -> list[dict[str, Any]]:
-        ev("fetch_start")
-        rows = _fetch(self, queue, limit)
-        ev(f"fetch_end {len(rows)}")
-        return rows
-
     def _on_claimed(self: Any, fileno: int | None = None) -> None:
         ev("on_claimed")
         _claimed(self, fileno)
 
+    _claim_job = pgq.Channel.claim_job
+    _claimed_rows = pgq.Channel.claimed
+
+    def claim_job(self: Any, queue: str, limit: int) -> Any:
+        ev("fetch_start")
+        return _claim_job(self, queue, limit)
+
+    def claimed(self: Any, job: Any, rows: Any, took: float) -> Any:
+        ev(f"fetch_end {len(rows)}")
+        return _claimed_rows(self, job, rows, took)
+
     pgq.Transport._on_readable = _on_readable  # type: ignore[method-assign]
-    pgq.Channel.fetch = fetch  # type: ignore[method-assign]
+    pgq.Channel.claim_job = claim_job  # type: ignore[method-assign]
+    pgq.Channel.claimed = claimed  # type: ignore[method-assign]
     pgq.Transport._on_claimed = _on_claimed  # type: ignore[method-assign]
 
 
@@ -70,3 +77,10 @@ def lat(sent: float) -> None:
 @app.task(name="noop")
 def noop() -> None:
     ev("noop")
+
+if os.environ.get("PROBE_SWITCH"):
+    import sys
+    sys.setswitchinterval(float(os.environ["PROBE_SWITCH"]))
+if os.environ.get("PROBE_OPTS"):
+    import json
+    app.conf.broker_transport_options.update(json.loads(os.environ["PROBE_OPTS"]))

@@ -348,3 +348,10 @@ def test_topic_pattern_keeps_kombus_newline_rules_in_postgresql_syntax() -> None
 def test_topic_pattern_refuses_a_key_no_message_could_pass(key: str) -> None:
     with pytest.raises(ConfigurationError, match=f"topic binding key {re.escape(repr(key))}"):
         topic_pattern(key)
+
+
+def test_async_claims_is_on_by_default_and_claim_thread_is_its_former_name() -> None:
+    assert parse_options({}).async_claims is True
+    assert parse_options({"async_claims": False}).async_claims is False
+    assert parse_options({"claim_thread": False}).async_claims is False
+    assert parse_options({"claim_thread": False, "async_claims": True}).async_claims is True

@@ -1,10 +1,11 @@
-"""Claims on the claim thread (Transport._claimer) for consumers in an event loop.
+"""Asynchronous claims (Transport._claimer) for consumers in an event loop.
 
-The thread only claims; the event loop's thread delivers. These tests drive a real
-Hub and a real database, and step in between "the claim came back" and "the loop
+The loop sends a claim on the claimer's own connection and goes on; when the answer
+is in (the socket is a reader of the loop) it delivers. These tests drive a real Hub
+and a real database, and step in between "the claim came back" and "the loop
 delivered it" to check what happens to messages claimed for a consumer that went away
-meanwhile, to wakeups that arrive while a claim is in flight, and to the prefetch
-window.
+meanwhile, to wakeups that arrive while a claim is in flight, to the prefetch window,
+and to a claim that fails in the database or is in flight when the claimer closes.
 """
 
 from __future__ import annotations
@@ -40,18 +41,18 @@ def _fill(conn: Connection, queue: str, n: int) -> None:
 
 
 def _claim_returned(conn: Connection, timeout: float = 10) -> None:
-    """Wait until the claim thread has a result (without letting the loop take it)."""
+    """Wait until the claim's answer is readable (without letting the loop take it)."""
     claimer = conn.transport._claimer
     assert claimer is not None
     ready, _, _ = select.select([claimer.fileno()], [], [], timeout)
-    assert ready, "the claim thread brought nothing back"
+    assert ready, "the claim brought nothing back"
 
 
 def _busy(conn: Connection) -> None:
     """Make the transport count as delivering all along, so no claim goes inline.
 
     An idle consumer (nothing delivered for IDLE_INLINE_SECONDS) claims in the loop's
-    own thread; these tests are about the claim thread.
+    own thread, waiting; these tests are about claims that do not wait.
     """
     conn.transport._last_delivery = time.monotonic() + 3600
 
@@ -85,18 +86,27 @@ def _failing_on_second(
     return conn, got
 
 
-def _spy_fetch_threads(conn: Connection) -> list[str]:
-    """The name of the thread of every claim on ``conn``'s default channel, in order."""
-    threads: list[str] = []
+def _spy_claims(conn: Connection) -> list[str]:
+    """How each claim on ``conn`` went, in order: "waited" (the loop's thread waited for
+    the answer) or "sent" (sent without waiting, the answer read when it came)."""
+    how: list[str] = []
     channel = conn.default_channel
     fetch = channel.fetch
+    claimer = conn.transport._claimer
+    assert claimer is not None
+    submit = claimer.submit
 
-    def spy(queue: str, limit: int) -> list[Any]:
-        threads.append(threading.current_thread().name)
+    def spy_fetch(queue: str, limit: int) -> list[Any]:
+        how.append("waited")
         return fetch(queue, limit)
 
-    channel.fetch = spy
-    return threads
+    def spy_submit(channel: Any, queue: str, limit: int) -> None:
+        how.append("sent")
+        submit(channel, queue, limit)
+
+    channel.fetch = spy_fetch
+    claimer.submit = spy_submit  # type: ignore[method-assign]
+    return how
 
 
 def _run_until(hub: Hub, done: Callable[[], bool], timeout: float) -> None:
@@ -105,11 +115,12 @@ def _run_until(hub: Hub, done: Callable[[], bool], timeout: float) -> None:
         hub.run_once()
 
 
-def test_claims_run_on_their_own_thread_and_deliver_in_the_loop_thread(
+def test_claims_are_sent_without_waiting_and_delivered_in_the_loop_thread(
     make_connection: Callable[..., Connection], hub: Hub
 ) -> None:
     conn = _registered(make_connection, hub, "ct", 30)
-    fetch_threads = _spy_fetch_threads(conn)
+    transport = conn.transport
+    how = _spy_claims(conn)
     got: list[tuple[int, str]] = []
     Consumer(
         conn,
@@ -118,11 +129,15 @@ def test_claims_run_on_their_own_thread_and_deliver_in_the_loop_thread(
         prefetch_count=4,
     ).consume()
 
+    transport._pending.add("ct")
+    transport._deliver_pending()
+    assert got == [] and "ct" in transport._inflight  # sent; the loop did not wait
     _run_until(hub, lambda: len(got) == 30, 20)
 
     assert [body for body, _ in got] == list(range(30))
     assert {name for _, name in got} == {threading.current_thread().name}
-    assert set(fetch_threads) == {"pgqueue-claimer"}
+    assert set(how) == {"sent"} and len(how) >= 8  # batches of at most 4
+    assert transport._inflight == set()
 
 
 def test_a_claim_never_brings_more_than_the_prefetch_window(
@@ -184,25 +199,107 @@ def test_a_wakeup_during_a_short_claim_keeps_the_queue_pending(
     assert "ctn" in transport._pending  # claimed again, not left for the safety poll
 
 
-def test_a_database_error_on_the_claim_thread_reaches_the_event_loop(
-    make_connection: Callable[..., Connection], hub: Hub
+def _locked(dsn: str, schema: str) -> psycopg.Connection:
+    """A session holding the message table's strongest lock: claims wait behind it."""
+    holder = psycopg.connect(dsn)
+    holder.execute(f'LOCK TABLE "{schema}".message IN ACCESS EXCLUSIVE MODE')
+    return holder
+
+
+def test_a_claim_whose_connection_dies_raises_in_the_loop_and_keeps_the_queue_pending(
+    make_connection: Callable[..., Connection], hub: Hub, dsn: str, schema: str, db: Any
 ) -> None:
     conn = _registered(make_connection, hub, "cte", 1)
     transport = conn.transport
     Consumer(conn, [Queue("cte")], callbacks=[lambda b, m: m.ack()]).consume()
+    claimer = transport._claimer
+    holder = _locked(dsn, schema)
+    try:
+        transport._pending.add("cte")
+        transport._deliver_pending()  # the claim waits for the lock, in the database
+        assert "cte" in transport._inflight
+        db.execute("SELECT pg_terminate_backend(%s)", (claimer._pgconn.backend_pid,))
+        _claim_returned(conn)
+    finally:
+        holder.close()
 
-    def broken(queue: str, limit: int) -> list[Any]:
-        raise psycopg.OperationalError("the server closed the connection")
-
-    conn.default_channel.fetch = broken
-    transport._pending.add("cte")
-    transport._deliver_pending()
-    _claim_returned(conn)
-
-    with pytest.raises(psycopg.OperationalError):
-        transport._on_claimed()
-    assert "cte" in transport._pending
+    with pytest.raises(psycopg.OperationalError, match="administrator command"):
+        _run_until(hub, lambda: False, 5)  # the loop reads the error, then the closed socket
+    assert "cte" in transport._pending  # claimed again after the reconnect
+    assert "cte" not in transport._inflight
     assert conn.default_channel._claiming == 0
+
+
+def test_a_claim_that_fails_in_the_database_raises_in_the_loop_and_the_next_one_works(
+    make_connection: Callable[..., Connection], hub: Hub, dsn: str, schema: str
+) -> None:
+    conn = _registered(make_connection, hub, "ctq", 2)
+    transport = conn.transport
+    got: list[int] = []
+    Consumer(
+        conn, [Queue("ctq")], callbacks=[lambda b, m: (got.append(b), m.ack())], prefetch_count=1
+    ).consume()
+    claimer = transport._claimer
+    claimer._pgconn.exec_(b"SET statement_timeout = 100")
+    holder = _locked(dsn, schema)
+    try:
+        transport._pending.add("ctq")
+        transport._deliver_pending()
+        _claim_returned(conn)  # the statement timeout's error
+        with pytest.raises(psycopg.errors.QueryCanceled):
+            transport._on_claimed()
+    finally:
+        holder.close()
+    assert got == [] and transport._inflight == set()
+    assert "ctq" in transport._pending
+
+    _run_until(hub, lambda: got == [0, 1], 10)  # the same connection claims again
+    assert got == [0, 1]
+
+
+def test_a_claim_in_flight_when_the_claimer_closes_is_released_at_once(
+    make_connection: Callable[..., Connection], hub: Hub, store: Store
+) -> None:
+    conn = _registered(make_connection, hub, "ctz", 5)
+    transport = conn.transport
+    got: list[int] = []
+    Consumer(
+        conn, [Queue("ctz")], callbacks=[lambda b, m: got.append(b)], prefetch_count=10
+    ).consume()
+
+    transport._pending.add("ctz")
+    transport._deliver_pending()
+    assert "ctz" in transport._inflight
+    transport._stop_claimer()  # as when the worker stops or reconnects
+
+    assert got == []
+    # the claim was awaited and what it leased released: claimable right away
+    assert len(store.claim("ctz", 10, 1)) == 5
+
+
+def test_claims_without_prepared_statements_deliver_too(
+    make_connection: Callable[..., Connection], hub: Hub
+) -> None:
+    # prepare_threshold None is the setting behind PgBouncer in transaction mode
+    conn = make_connection(prepare_threshold=None, **QUIET)
+    _fill(conn, "ctu", 10)
+    conn.transport.register_with_event_loop(conn.connection, hub)
+    _busy(conn)
+    how = _spy_claims(conn)
+    got: list[int] = []
+    Consumer(
+        conn, [Queue("ctu")], callbacks=[lambda b, m: (got.append(b), m.ack())], prefetch_count=4
+    ).consume()
+
+    _run_until(hub, lambda: len(got) == 10, 10)
+
+    assert got == list(range(10))
+    assert set(how) == {"sent"}
+    with psycopg.connect(conn.transport.store.conninfo) as check:
+        # nothing was prepared in the claimer's session
+        pid = conn.transport._claimer._pgconn.backend_pid
+        assert check.execute("SELECT pid FROM pg_stat_activity WHERE pid = %s", (pid,)).fetchone()
+    assert conn.transport._claimer._prepared == {}
 
 
 def test_a_callback_error_mid_batch_releases_the_rest_of_the_batch(
@@ -252,11 +349,11 @@ def test_drain_events_still_delivers_while_registered_with_a_loop(
     assert got == [0, 1, 2]
 
 
-def test_an_idle_consumer_claims_in_the_loop_thread_then_hands_claims_to_the_thread(
+def test_an_idle_consumer_waits_for_its_claim_then_sends_claims_without_waiting(
     make_connection: Callable[..., Connection], hub: Hub
 ) -> None:
     conn = _registered(make_connection, hub, "cti", 0, busy=False)
-    fetch_threads = _spy_fetch_threads(conn)
+    how = _spy_claims(conn)
     got: list[int] = []
     Consumer(
         conn,
@@ -264,17 +361,17 @@ def test_an_idle_consumer_claims_in_the_loop_thread_then_hands_claims_to_the_thr
         callbacks=[lambda body, m: (got.append(body), m.ack())],
         prefetch_count=4,
     ).consume()
-    # the first tick claims (on the claim thread) and finds nothing
-    _run_until(hub, lambda: bool(fetch_threads) and not conn.transport._inflight, 10)
-    del fetch_threads[:]
+    # the first tick claims (sent, see below) and finds nothing
+    _run_until(hub, lambda: bool(how) and not conn.transport._inflight, 10)
+    del how[:]
     _fill(conn, "cti", 30)  # the NOTIFY wakes the idle consumer through its LISTEN socket
 
     _run_until(hub, lambda: len(got) == 30, 20)
 
     assert got == list(range(30))
     # the first claim found the consumer idle; later ones came while it held messages
-    assert fetch_threads[0] == threading.current_thread().name
-    assert "pgqueue-claimer" in fetch_threads[1:]
+    assert how[0] == "waited"
+    assert "sent" in how[1:]
 
 
 def test_a_tick_callback_never_claims_inline_even_for_an_idle_consumer(
@@ -284,7 +381,7 @@ def test_a_tick_callback_never_claims_inline_even_for_an_idle_consumer(
     # callback of its own; a task handed over from a tick callback that runs after it
     # waited for the next tick, seconds away (chaos listenkill, 2026-11-24)
     conn = _registered(make_connection, hub, "ctt", 1, busy=False)
-    fetch_threads = _spy_fetch_threads(conn)
+    how = _spy_claims(conn)
     got: list[int] = []
     Consumer(
         conn, [Queue("ctt")], callbacks=[lambda b, m: (got.append(b), m.ack())], prefetch_count=4
@@ -295,4 +392,29 @@ def test_a_tick_callback_never_claims_inline_even_for_an_idle_consumer(
     assert got == []  # nothing was handed out from within the tick
     _run_until(hub, lambda: got == [0], 10)
     assert got == [0]
-    assert fetch_threads == ["pgqueue-claimer"]
+    assert how == ["sent"]
+
+
+def test_a_claim_session_ended_while_idle_raises_in_the_loop_instead_of_spinning(
+    make_connection: Callable[..., Connection], hub: Hub, db: Any
+) -> None:
+    conn = _registered(make_connection, hub, "cts", 0)
+    transport = conn.transport
+    Consumer(conn, [Queue("cts")], callbacks=[lambda b, m: m.ack()]).consume()
+    _run_until(hub, lambda: not transport._inflight and "cts" not in transport._pending, 5)
+    claimer = transport._claimer
+    calls = []
+    on_claimed = transport._on_claimed
+
+    def counting(fileno: int | None = None) -> None:
+        calls.append(fileno)
+        on_claimed(fileno)
+
+    hub.remove_reader(claimer.fileno())
+    hub.add_reader(claimer.fileno(), counting, claimer.fileno())
+    db.execute("SELECT pg_terminate_backend(%s)", (claimer._pgconn.backend_pid,))
+    _claim_returned(conn)  # readable: the server's goodbye
+
+    with pytest.raises(psycopg.OperationalError):
+        _run_until(hub, lambda: False, 5)
+    assert len(calls) <= 2  # the first read raised (or the second, after the error message)
