@@ -22,6 +22,7 @@ from __future__ import annotations
 import collections
 import logging
 import select
+import struct
 import time
 from collections.abc import Callable
 from datetime import datetime
@@ -33,6 +34,7 @@ from . import _pool
 from ._store import Delivered
 
 BINARY = pq.Format.BINARY
+_FLOAT8 = struct.Struct(">d")
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +47,7 @@ CLOSE_WAIT_SECONDS = 2.0
 
 
 #: result columns of the claim statements, and the type OID each must have
-_CLAIM_COLUMN_TYPES = (20, 21, 23, 17, 25, 25, 25, 25)  # int8 int2 int4 bytea text x4
+_CLAIM_COLUMN_TYPES = (20, 21, 23, 17, 25, 25, 25, 25, 701)  # int8 int2 int4 bytea text*4 float8
 
 Job = tuple[Any, str, int]
 
@@ -95,10 +97,12 @@ class Claimer:
         if store.options.prepare_threshold is not None:
             self._prepare(CLAIM_STATEMENTS)
         self._jobs: collections.deque[Job] = collections.deque()
-        #: the claim in flight: (channel, job, when it was sent)
-        self._current: tuple[Any, Any, float] | None = None
+        #: the claim in flight: (channel, ClaimJob)
+        self._current: tuple[Any, Any] | None = None
         self._rows: list[Delivered] = []
         self._error: BaseException | None = None
+        #: seconds the claim in flight took in the server
+        self._took = 0.0
         self._results: list[Result] = []
         self.closed = False
 
@@ -127,9 +131,9 @@ class Claimer:
                     self._finish()
             except BaseException as exc:  # noqa: BLE001 - the loop raises it
                 # the connection broke (an error the server sent first says why)
-                channel, job, _ = self._current
+                channel, job = self._current
                 error = self._error or exc
-                self._current, self._rows, self._error = None, [], None
+                self._current, self._rows, self._error, self._took = None, [], None, 0.0
                 self._results.append((channel, job.queue, job.limit, None, error))
             self._send_next(raise_errors=False)
         out, self._results = self._results, []
@@ -146,7 +150,7 @@ class Claimer:
                     raise
                 self._results.append((channel, queue, limit, None, exc))
                 continue
-            self._current = (channel, job, time.perf_counter())
+            self._current = (channel, job)
 
     def _send(self, name: str, params: dict[str, Any]) -> None:
         text, keys = self._store.positional(name)
@@ -189,8 +193,7 @@ class Claimer:
                     self._error = exc
         return False
 
-    @staticmethod
-    def _load(result: pq.abc.PGresult) -> list[Delivered]:
+    def _load(self, result: pq.abc.PGresult) -> list[Delivered]:
         types = tuple(result.ftype(i) for i in range(result.nfields))
         if types != _CLAIM_COLUMN_TYPES:
             raise RuntimeError(
@@ -198,6 +201,9 @@ class Claimer:
                 f"expected {_CLAIM_COLUMN_TYPES}"
             )
         get = result.get_value
+        n = result.ntuples
+        if n:
+            self._took = _FLOAT8.unpack(get(n - 1, 8))[0]
         return [
             Delivered(
                 _int(get(i, 0)),
@@ -209,17 +215,18 @@ class Claimer:
                 get(i, 6).decode(),
                 get(i, 7).decode(),
             )
-            for i in range(result.ntuples)
+            for i in range(n)
         ]
 
     def _finish(self) -> None:
-        channel, job, sent = self._current  # type: ignore[misc]
+        channel, job = self._current  # type: ignore[misc]
         self._current = None
         rows, self._rows = self._rows, []
         error, self._error = self._error, None
+        took, self._took = self._took, 0.0
         if error is None:
             try:
-                payloads = channel.claimed(job, rows, time.perf_counter() - sent)
+                payloads = channel.claimed(job, rows, took)
             except BaseException as exc:  # noqa: BLE001 - the loop raises it
                 error = exc
         self._results.append((channel, job.queue, job.limit, None if error else payloads, error))

@@ -368,11 +368,13 @@ class Store:
         ``after`` = (priority, id) claims only messages of that priority with a larger
         id (statement ``claim_after``): the index scan starts right there.
         """
-        return self.claim_with(*self.claim_params(queue, limit, lease, now, after))
+        return self.claim_with(*self.claim_params(queue, limit, lease, now, after))[0]
 
-    def claim_with(self, name: str, params: dict[str, Any]) -> list[Delivered]:
-        """Run a claim that :meth:`claim_params` prepared."""
-        return [Delivered(*row) for row in self._rows(name, params)]
+    def claim_with(self, name: str, params: dict[str, Any]) -> tuple[list[Delivered], float]:
+        """Run a claim that :meth:`claim_params` prepared; return its rows and the
+        seconds it took in the server (0 when it claimed nothing)."""
+        rows = self._rows(name, params)
+        return [Delivered(*row[:8]) for row in rows], (rows[-1][8] if rows else 0.0)
 
     def claim_params(
         self,

@@ -129,12 +129,14 @@ CLAIM_BATCH_WAIT = 0.05
 #: prefork worker
 IDLE_INLINE_SECONDS = 0.02
 
-#: a claim from the head slower than this (it stepped over many acked rows that VACUUM
-#: may not remove yet, e.g. while an old snapshot is held) makes the consumer resume
-#: after its last message for RESUME_SECONDS, or 20 times that claim's duration if
-#: longer; then it claims from the head again, which also picks up requeued messages,
-#: lease expiries and higher priorities (they wait that long at most, plus a safety poll
-#: if nothing else wakes the consumer, and only while the head is slow)
+#: a claim from the head that took longer than this in the server (it stepped over many
+#: acked rows that VACUUM may not remove yet, e.g. while an old snapshot is held) makes
+#: the consumer resume after its last message for RESUME_SECONDS, or 20 times that
+#: claim's duration if longer; then it claims from the head again, which also picks up
+#: requeued messages, lease expiries and higher priorities (they wait that long at most,
+#: plus a safety poll if nothing else wakes the consumer, and only while the head is
+#: slow). The server's time, not the client's: an asynchronous claim's answer may wait
+#: in its socket while the event loop is busy, and that says nothing about the head.
 SLOW_CLAIM_SECONDS = 0.005
 RESUME_SECONDS = 1.0
 
@@ -555,9 +557,7 @@ class Channel(virtual.Channel):
             self._last_claim = time.monotonic()
             return [self._payload(row, queue, 0) for row in self.store.take(queue, limit)]
         job = self.claim_job(queue, limit)
-        began = time.perf_counter()
-        rows = self.store.claim_with(job.statement, job.params)
-        return self.claimed(job, rows, time.perf_counter() - began)
+        return self.claimed(job, *self.store.claim_with(job.statement, job.params))
 
     def claim_job(self, queue: str, limit: int) -> ClaimJob:
         """Decide how to claim from ``queue`` now: from its head, or after this channel's
@@ -572,7 +572,8 @@ class Channel(virtual.Channel):
         return ClaimJob(queue, limit, lease, resume, statement, params)
 
     def claimed(self, job: ClaimJob, rows: list[Delivered], took: float) -> list[dict[str, Any]]:
-        """The payloads of what ``job`` claimed, ``took`` seconds after it was sent."""
+        """The payloads of what ``job`` claimed; the statement took ``took`` seconds in
+        the server."""
         queue = job.queue
         if job.resume is None:
             if rows and took > SLOW_CLAIM_SECONDS:

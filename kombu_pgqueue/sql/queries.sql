@@ -214,7 +214,10 @@ leased AS (
               m.content_encoding, m.headers, m.properties
 )
 SELECT id, priority, attempts, body, content_type, content_encoding,
-       headers::text, properties::text
+       headers::text, properties::text,
+       -- seconds this statement took in the server, for Channel.claimed (a slow head);
+       -- the client's own clock would also count the time until it read the answer
+       extract(EPOCH FROM clock_timestamp() - statement_timestamp())::float8 AS took
 FROM leased
 ORDER BY priority DESC, id;
 

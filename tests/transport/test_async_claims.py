@@ -418,3 +418,41 @@ def test_a_claim_session_ended_while_idle_raises_in_the_loop_instead_of_spinning
     with pytest.raises(psycopg.OperationalError):
         _run_until(hub, lambda: False, 5)
     assert len(calls) <= 2  # the first read raised (or the second, after the error message)
+
+
+def test_only_time_in_the_server_counts_a_claim_as_slow_not_a_busy_loop(
+    make_connection: Callable[..., Connection], hub: Hub, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a slow claim (a long walk over acked rows at the head) makes the consumer resume
+    # after its last message for a while; a loop that was busy when the answer came
+    # must not, or priorities and requeues would wait for nothing
+    from kombu_pgqueue import transport as pgq
+
+    monkeypatch.setattr(pgq, "SLOW_CLAIM_SECONDS", 0.1)
+    conn = _registered(make_connection, hub, "ctslow", 4)
+    transport = conn.transport
+    channel = conn.default_channel
+    got: list[int] = []
+    Consumer(
+        conn, [Queue("ctslow")], callbacks=[lambda b, m: got.append(b)], prefetch_count=1
+    ).consume()
+
+    transport._pending.add("ctslow")
+    transport._deliver_pending()
+    time.sleep(0.3)  # the loop is busy elsewhere; the answer waits in the socket
+    transport._on_claimed()
+    assert got == [0]
+    assert "ctslow" not in channel._resume
+
+    # the same claim with any time in the server counting as slow: it resumes
+    monkeypatch.setattr(pgq, "SLOW_CLAIM_SECONDS", 0.0)
+    got.clear()
+    channel.qos._delivered.clear()  # the window opens again without an ack
+    channel.qos._dirty.clear()
+    transport._pending.add("ctslow")
+    transport._deliver_pending()
+    _claim_returned(conn)
+    transport._on_claimed()
+    assert got == [1]
+    assert channel._resume["ctslow"][:2] == (0, channel._resume["ctslow"][1])
+    assert channel._resume["ctslow"][2] > time.monotonic()
