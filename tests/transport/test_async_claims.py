@@ -13,7 +13,7 @@ from __future__ import annotations
 import select
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import psycopg
@@ -25,13 +25,6 @@ from kombu_pgqueue._listener import Wakeups
 from kombu_pgqueue._store import Store
 
 QUIET = {"polling_interval": 30}
-
-
-@pytest.fixture
-def hub() -> Iterator[Hub]:
-    loop = Hub()
-    yield loop
-    loop.close()
 
 
 def _fill(conn: Connection, queue: str, n: int) -> None:
@@ -67,6 +60,21 @@ def _registered(
     if busy:
         _busy(conn)
     return conn
+
+
+def _consume(
+    conn: Connection, queue: str, prefetch: int | None = None, ack: bool = True
+) -> list[Any]:
+    """Consume ``queue`` on ``conn``; return the list the bodies are appended to."""
+    got: list[Any] = []
+
+    def on_message(body: Any, message: Any) -> None:
+        got.append(body)
+        if ack:
+            message.ack()
+
+    Consumer(conn, [Queue(queue)], callbacks=[on_message], prefetch_count=prefetch).consume()
+    return got
 
 
 def _failing_on_second(
@@ -109,12 +117,6 @@ def _spy_claims(conn: Connection) -> list[str]:
     return how
 
 
-def _run_until(hub: Hub, done: Callable[[], bool], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not done() and time.monotonic() < deadline:
-        hub.run_once()
-
-
 def test_claims_are_sent_without_waiting_and_delivered_in_the_loop_thread(
     make_connection: Callable[..., Connection], hub: Hub
 ) -> None:
@@ -132,7 +134,7 @@ def test_claims_are_sent_without_waiting_and_delivered_in_the_loop_thread(
     transport._pending.add("ct")
     transport._deliver_pending()
     assert got == [] and "ct" in transport._inflight  # sent; the loop did not wait
-    _run_until(hub, lambda: len(got) == 30, 20)
+    hub.run_until(lambda: len(got) == 30, 20)
 
     assert [body for body, _ in got] == list(range(30))
     assert {name for _, name in got} == {threading.current_thread().name}
@@ -149,7 +151,7 @@ def test_a_claim_never_brings_more_than_the_prefetch_window(
         conn, [Queue("ctw")], callbacks=[lambda b, m: held.append(m)], prefetch_count=3
     ).consume()
 
-    _run_until(hub, lambda: len(held) >= 3, 10)
+    hub.run_until(lambda: len(held) >= 3, 10)
     for _ in range(20):  # more ticks: nothing else may come while three are unacked
         hub.run_once()
 
@@ -183,10 +185,7 @@ def test_a_wakeup_during_a_short_claim_keeps_the_queue_pending(
 ) -> None:
     conn = _registered(make_connection, hub, "ctn", 1)
     transport = conn.transport
-    got: list[int] = []
-    Consumer(
-        conn, [Queue("ctn")], callbacks=[lambda b, m: (got.append(b), m.ack())], prefetch_count=10
-    ).consume()
+    got = _consume(conn, "ctn", 10)
 
     transport._pending.add("ctn")
     transport._deliver_pending()
@@ -224,7 +223,7 @@ def test_a_claim_whose_connection_dies_raises_in_the_loop_and_keeps_the_queue_pe
         holder.close()
 
     with pytest.raises(psycopg.OperationalError, match="administrator command"):
-        _run_until(hub, lambda: False, 5)  # the loop reads the error, then the closed socket
+        hub.run_until(lambda: False, 5)  # the loop reads the error, then the closed socket
     assert "cte" in transport._pending  # claimed again after the reconnect
     assert "cte" not in transport._inflight
     assert conn.default_channel._claiming == 0
@@ -235,10 +234,7 @@ def test_a_claim_that_fails_in_the_database_raises_in_the_loop_and_the_next_one_
 ) -> None:
     conn = _registered(make_connection, hub, "ctq", 2)
     transport = conn.transport
-    got: list[int] = []
-    Consumer(
-        conn, [Queue("ctq")], callbacks=[lambda b, m: (got.append(b), m.ack())], prefetch_count=1
-    ).consume()
+    got = _consume(conn, "ctq", 1)
     claimer = transport._claimer
     claimer._pgconn.exec_(b"SET statement_timeout = 100")
     holder = _locked(dsn, schema)
@@ -253,7 +249,7 @@ def test_a_claim_that_fails_in_the_database_raises_in_the_loop_and_the_next_one_
     assert got == [] and transport._inflight == set()
     assert "ctq" in transport._pending
 
-    _run_until(hub, lambda: got == [0, 1], 10)  # the same connection claims again
+    hub.run_until(lambda: got == [0, 1], 10)  # the same connection claims again
     assert got == [0, 1]
 
 
@@ -262,10 +258,7 @@ def test_a_claim_in_flight_when_the_claimer_closes_is_released_at_once(
 ) -> None:
     conn = _registered(make_connection, hub, "ctz", 5)
     transport = conn.transport
-    got: list[int] = []
-    Consumer(
-        conn, [Queue("ctz")], callbacks=[lambda b, m: got.append(b)], prefetch_count=10
-    ).consume()
+    got = _consume(conn, "ctz", 10, ack=False)
 
     transport._pending.add("ctz")
     transport._deliver_pending()
@@ -286,12 +279,9 @@ def test_claims_without_prepared_statements_deliver_too(
     conn.transport.register_with_event_loop(conn.connection, hub)
     _busy(conn)
     how = _spy_claims(conn)
-    got: list[int] = []
-    Consumer(
-        conn, [Queue("ctu")], callbacks=[lambda b, m: (got.append(b), m.ack())], prefetch_count=4
-    ).consume()
+    got = _consume(conn, "ctu", 4)
 
-    _run_until(hub, lambda: len(got) == 10, 10)
+    hub.run_until(lambda: len(got) == 10, 10)
 
     assert got == list(range(10))
     assert set(how) == {"sent"}
@@ -339,8 +329,7 @@ def test_drain_events_still_delivers_while_registered_with_a_loop(
     make_connection: Callable[..., Connection], hub: Hub
 ) -> None:
     conn = _registered(make_connection, hub, "ctd", 3)
-    got: list[int] = []
-    Consumer(conn, [Queue("ctd")], callbacks=[lambda b, m: (got.append(b), m.ack())]).consume()
+    got = _consume(conn, "ctd")
 
     deadline = time.monotonic() + 10
     while len(got) < 3 and time.monotonic() < deadline:
@@ -362,11 +351,11 @@ def test_an_idle_consumer_waits_for_its_claim_then_sends_claims_without_waiting(
         prefetch_count=4,
     ).consume()
     # the first tick claims (sent, see below) and finds nothing
-    _run_until(hub, lambda: bool(how) and not conn.transport._inflight, 10)
+    hub.run_until(lambda: bool(how) and not conn.transport._inflight, 10)
     del how[:]
     _fill(conn, "cti", 30)  # the NOTIFY wakes the idle consumer through its LISTEN socket
 
-    _run_until(hub, lambda: len(got) == 30, 20)
+    hub.run_until(lambda: len(got) == 30, 20)
 
     assert got == list(range(30))
     # the first claim found the consumer idle; later ones came while it held messages
@@ -382,15 +371,12 @@ def test_a_tick_callback_never_claims_inline_even_for_an_idle_consumer(
     # waited for the next tick, seconds away (chaos listenkill, 2026-11-24)
     conn = _registered(make_connection, hub, "ctt", 1, busy=False)
     how = _spy_claims(conn)
-    got: list[int] = []
-    Consumer(
-        conn, [Queue("ctt")], callbacks=[lambda b, m: (got.append(b), m.ack())], prefetch_count=4
-    ).consume()
+    got = _consume(conn, "ctt", 4)
 
     conn.transport._on_tick()  # the first tick: its safety poll finds the message
 
     assert got == []  # nothing was handed out from within the tick
-    _run_until(hub, lambda: got == [0], 10)
+    hub.run_until(lambda: got == [0], 10)
     assert got == [0]
     assert how == ["sent"]
 
@@ -401,7 +387,7 @@ def test_a_claim_session_ended_while_idle_raises_in_the_loop_instead_of_spinning
     conn = _registered(make_connection, hub, "cts", 0)
     transport = conn.transport
     Consumer(conn, [Queue("cts")], callbacks=[lambda b, m: m.ack()]).consume()
-    _run_until(hub, lambda: not transport._inflight and "cts" not in transport._pending, 5)
+    hub.run_until(lambda: not transport._inflight and "cts" not in transport._pending, 5)
     claimer = transport._claimer
     calls = []
     on_claimed = transport._on_claimed
@@ -416,7 +402,7 @@ def test_a_claim_session_ended_while_idle_raises_in_the_loop_instead_of_spinning
     _claim_returned(conn)  # readable: the server's goodbye
 
     with pytest.raises(psycopg.OperationalError):
-        _run_until(hub, lambda: False, 5)
+        hub.run_until(lambda: False, 5)
     assert len(calls) <= 2  # the first read raised (or the second, after the error message)
 
 
@@ -432,10 +418,7 @@ def test_only_time_in_the_server_counts_a_claim_as_slow_not_a_busy_loop(
     conn = _registered(make_connection, hub, "ctslow", 4)
     transport = conn.transport
     channel = conn.default_channel
-    got: list[int] = []
-    Consumer(
-        conn, [Queue("ctslow")], callbacks=[lambda b, m: got.append(b)], prefetch_count=1
-    ).consume()
+    got = _consume(conn, "ctslow", 1, ack=False)
 
     transport._pending.add("ctslow")
     transport._deliver_pending()

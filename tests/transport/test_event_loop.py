@@ -10,7 +10,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
@@ -21,19 +21,6 @@ from kombu.asynchronous import Hub
 from kombu_pgqueue._store import new_lease
 
 QUIET = {"polling_interval": 30}
-
-
-@pytest.fixture
-def hub() -> Iterator[Hub]:
-    loop = Hub()
-    yield loop
-    loop.close()
-
-
-def _run_until(hub: Hub, done: Callable[[], bool], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not done() and time.monotonic() < deadline:
-        hub.run_once()
 
 
 def _publish_later(
@@ -129,7 +116,7 @@ def test_hub_delivers_on_notify(make_connection: Callable[..., Connection], hub:
 
     started = time.monotonic()
     thread, published = _publish_later(publisher, "hub-woken", "ping", 0.3)
-    _run_until(hub, lambda: bool(got), 10)
+    hub.run_until(lambda: bool(got), 10)
     thread.join(timeout=10)
 
     [(body, delivered_at)] = got
@@ -155,7 +142,7 @@ def test_hub_delivers_a_delayed_message_when_it_falls_due(
     thread, _ = _publish_later(
         publisher, "hub-delayed", "later", 0.0, headers={"eta": eta.isoformat()}
     )
-    _run_until(hub, lambda: bool(got), 10)
+    hub.run_until(lambda: bool(got), 10)
     thread.join(timeout=10)
 
     [(body, delivered_at)] = got
@@ -199,7 +186,7 @@ def test_ack_from_another_thread_while_the_hub_runs(
 
     consumer = Consumer(connection, [queue], callbacks=[on_message], prefetch_count=1)
     consumer.consume()
-    _run_until(hub, lambda: sum(kind == "ack" for kind, _ in events) == 3, 15)
+    hub.run_until(lambda: sum(kind == "ack" for kind, _ in events) == 3, 15)
     for acker in ackers:
         acker.join(timeout=10)
 
