@@ -422,8 +422,12 @@ def test_only_time_in_the_server_counts_a_claim_as_slow_not_a_busy_loop(
 
     transport._pending.add("ctslow")
     transport._deliver_pending()
-    time.sleep(0.3)  # the loop is busy elsewhere; the answer waits in the socket
+    _claim_returned(conn)  # the answer waits in the socket...
+    clock = time.perf_counter
+    # ...while the loop is busy elsewhere for 0.3 s by the client's clock
+    monkeypatch.setattr(time, "perf_counter", lambda: clock() + 0.3)
     transport._on_claimed()
+    monkeypatch.setattr(time, "perf_counter", clock)
     assert got == [0]
     assert "ctslow" not in channel._resume
 
