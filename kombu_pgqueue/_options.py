@@ -267,10 +267,24 @@ def mask(dsn: str) -> str:
     return pg_conninfo.make_conninfo("", **params)
 
 
-def task_dedup_key(task_id: str, retries: int | None = 0) -> str:
-    """The dedup key a Celery task message gets when it names none of its own.
+#: the message property that names one publish call (see publish_dedup_key)
+PUBLISH_ID = "pgqueue_publish_id"
 
-    Task id and retry count: a publish that is retried carries both unchanged, while
-    ``Task.retry()`` sends the same id with the next count.
+
+def publish_dedup_key(task_id: str, publish_id: str) -> str:
+    """The dedup key of one publish call of a Celery task message.
+
+    Kombu's retries of that call carry the same ``publish_id``; any other publish of
+    the task id (``Task.replace``, ``Task.retry``, a chord body, the same
+    ``apply_async(task_id=...)`` sent again) has another and is queued.
+    """
+    return f"celery:{task_id}:{publish_id}"
+
+
+def task_dedup_key(task_id: str, retries: int | None = 0) -> str:
+    """The dedup key of a task message sent in bulk (``celery_pgqueue.bulk``, Spark).
+
+    The task id (and retry count): a bulk send or Spark partition that runs again
+    sends the same ids, and queues nothing that is still waiting or running.
     """
     return f"celery:{task_id}:{retries or 0}"

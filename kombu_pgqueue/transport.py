@@ -57,10 +57,12 @@ Transport options
   task claimed by the loop's tick callback (the first safety poll after a reconnect, a
   window that opened again) can wait in a prefork pool until the loop's next wakeup.
   ``claim_thread`` is its former name (claims ran on a helper thread then).
-* ``dedup_task_ids`` (bool, True): a Celery task message whose id and retry count
-  are already in its queue (waiting, or running with ``acks_late``; with early acks
-  the row is gone once the task starts) is not queued again, so a publish that
-  Celery retries after a timeout cannot queue the task twice. Any message may
+* ``dedup_task_ids`` (bool, True): when Kombu retries a publish of a Celery task
+  message (its connection broke after the commit may have reached the server), the
+  retry is not queued again while the first copy waits or runs: each publish call is
+  keyed by the task id and an id of the call. Only retries of one call are dropped: a
+  task id sent again on purpose (``Task.replace``, chord bodies, ``Task.retry``,
+  ``apply_async(task_id=...)`` twice) is always queued. Any message may
   also carry its own key: ``properties["dedup_key"]`` or ``headers["dedup_key"]``
   (Celery: ``apply_async(..., dedup_key="...")``); with ``dedup_replace=True`` a
   waiting message with that key is replaced instead.
@@ -93,6 +95,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+import uuid
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Any
@@ -109,7 +112,14 @@ from ._acks import AckBatcher
 from ._claimer import Claimer
 from ._leases import LeaseKeeper
 from ._listener import Listener, Wakeups
-from ._options import build_conninfo, check_name, parse_options, task_dedup_key, topic_pattern
+from ._options import (
+    PUBLISH_ID,
+    build_conninfo,
+    check_name,
+    parse_options,
+    publish_dedup_key,
+    topic_pattern,
+)
 from ._store import Delivered, Outgoing, Store, new_lease
 from .exceptions import ConfigurationError, MessageError
 
@@ -433,6 +443,10 @@ class Channel(virtual.Channel):
             raise MessageError(f"message body must be str or bytes, got {type(body).__name__}")
         headers = message.get("headers") or {}
         properties = message.get("properties") or {}
+        dedup_key = self._dedup_key(headers, properties)
+        if PUBLISH_ID in properties:
+            # per publish call, not per message: a republished delivery gets a new one
+            properties = {k: v for k, v in properties.items() if k != PUBLISH_ID}
         try:
             # NaN and Infinity are not JSON; PostgreSQL would refuse them later
             headers_json = dumps(headers, allow_nan=False)
@@ -452,7 +466,7 @@ class Channel(virtual.Channel):
             priority=self._get_message_priority(message),
             eta=_parse_eta(headers.get("eta")),
             expires_at=_ms_from_now(properties.get("expiration")),
-            dedup_key=self._dedup_key(headers, properties),
+            dedup_key=dedup_key,
         )
 
     def _dedup_key(self, headers: dict[str, Any], properties: dict[str, Any]) -> str | None:
@@ -460,9 +474,14 @@ class Channel(virtual.Channel):
         if key is not None:
             return check_name("dedup key", str(key))
         if self._dedup_task_ids and headers.get("task") and headers.get("id"):
-            # a Celery publish that is retried after its commit reached the server
-            # carries the same id and retry count: it must not queue the task twice
-            return task_dedup_key(headers["id"], headers.get("retries"))
+            # Kombu retries a publish (Producer.publish(retry=True), Celery's default)
+            # by preparing the message again from the same properties dict: the id set
+            # here on the first attempt comes back on every retry of that call, so a
+            # retry whose first commit reached the server is not queued twice. A new
+            # call (Task.replace, a chord body, apply_async(task_id=...) sent again) has
+            # a new dict, so a new id: Celery meant to send it, and it is queued.
+            publish_id = properties.setdefault(PUBLISH_ID, uuid.uuid4().hex)
+            return publish_dedup_key(str(headers["id"]), str(publish_id))
         return None
 
     def basic_publish(

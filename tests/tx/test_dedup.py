@@ -1,4 +1,4 @@
-"""Idempotent publishing: dedup keys (explicit, or a Celery task's id and retry count).
+"""Idempotent publishing: dedup keys (explicit, or a Celery task publish call's own).
 
 A key is held while its message waits or is leased by a consumer; the ack frees it.
 Celery tests count executions in the worker, with a sentinel task sent last: once
@@ -17,6 +17,7 @@ from celery import Celery
 from celery.contrib.testing.worker import start_worker
 from kombu import Connection, Exchange, Producer, Queue
 from tx_helpers import make_app, wait_for
+from wire_faults import FaultProxy
 
 QUEUE = "dd"
 
@@ -119,19 +120,62 @@ def test_dedup_key_through_a_named_exchange(connection, rows):
     assert rows("queue, dedup_key") == [(QUEUE, "k")]
 
 
-def test_task_message_ids_dedup_only_when_enabled(make_connection, rows):
+def test_each_publish_call_of_a_task_id_is_queued(make_connection, rows):
+    """Only a retry of one publish call is a duplicate: the same task id published again
+    (Task.replace, chord bodies, apply_async(task_id=...) twice) is a message Celery meant
+    to send."""
     headers = {"task": "dd.record", "id": "same-id", "retries": 0}
     on = make_connection()
     off = make_connection(dedup_task_ids=False)
     for conn in (on, on, off, off):
         Producer(conn).publish({"n": 1}, routing_key=QUEUE, headers=headers)
-    # the second copy on the default connection was skipped; both copies without
-    # the option were stored, and carry no key (so they did not collide either)
-    assert rows("dedup_key") == [("celery:same-id:0",), (None,), (None,)]
+    keys = [key for (key,) in rows("dedup_key")]
+    assert len(keys) == 4
+    assert keys[0].startswith("celery:same-id:") and keys[1].startswith("celery:same-id:")
+    assert keys[0] != keys[1]
+    # without the option the messages carry no key
+    assert keys[2:] == [None, None]
+    # the call's id is the transport's own: consumers do not see it
+    message = _get(on)
+    assert "pgqueue_publish_id" not in message.properties
     # an explicit key still works with the option off
     Producer(off).publish({"n": 2}, routing_key=QUEUE, dedup_key="x")
     Producer(off).publish({"n": 3}, routing_key=QUEUE, dedup_key="x")
     assert rows("dedup_key", "dedup_key = 'x'") == [("x",)]
+
+
+@pytest.mark.parametrize("dedup_task_ids", [True, False])
+def test_publish_retried_after_its_commit_is_queued_once(make_connection, rows, dsn, dedup_task_ids):
+    """Kombu's publish retry after a connection broke between the commit and its answer.
+
+    The proxy closes the connection once the server has committed the INSERT; Kombu
+    reconnects and sends the same publish call again. With dedup_task_ids that retry is
+    recognised; without it the task is queued twice (the fault is real).
+    """
+    proxy = FaultProxy(dsn)
+    try:
+        conn = make_connection(
+            hostname="127.0.0.1",
+            port=proxy.port,
+            sslmode="disable",
+            gssencmode="disable",
+            dedup_task_ids=dedup_task_ids,
+        )
+        producer = Producer(conn)
+        producer.publish({"n": 0}, routing_key=QUEUE)  # connected, schema in place
+        proxy.cut_after_commit()
+        producer.publish(
+            {"n": 1},
+            routing_key=QUEUE,
+            headers={"task": "dd.record", "id": "retried-id"},
+            retry=True,
+            retry_policy={"max_retries": 3, "interval_start": 0, "interval_step": 0},
+        )
+        assert proxy.cuts == 1
+        copies = rows("body", "body = %s", b'{"n": 1}')
+        assert len(copies) == (1 if dedup_task_ids else 2)
+    finally:
+        proxy.close()
 
 
 # -- Celery ------------------------------------------------------------------------------
@@ -209,26 +253,47 @@ def test_celery_task_id_dedup_ends_at_the_early_ack(app, connection, rows):
     assert sorted(ran) == ["first", "retried publish", "sentinel"]
 
 
-def test_celery_publish_retry_with_same_task_id_runs_once(app, connection, rows):
+def test_celery_same_task_id_sent_twice_runs_twice(app, connection, rows):
+    """apply_async(task_id=...) twice is two sends Celery meant (not a publish retry)."""
     record, ran = _recorder(app)
-    # what a publish retried after its commit reached the server looks like
-    first = app.send_task("dd.record", ("once",), task_id="fixed-task-id")
-    again = app.send_task("dd.record", ("once",), task_id="fixed-task-id")
+    first = app.send_task("dd.record", ("twice",), task_id="fixed-task-id")
+    again = app.send_task("dd.record", ("twice",), task_id="fixed-task-id")
     assert first.id == again.id == "fixed-task-id"
-    assert rows("dedup_key") == [("celery:fixed-task-id:0",)]
+    assert len(rows()) == 2
     _run_until_sentinel(app, record, ran)
-    assert ran == ["once", "sentinel"]
+    assert sorted(ran) == ["sentinel", "twice", "twice"]
 
 
-def test_celery_task_id_dedup_through_a_named_exchange(app, connection, rows):
-    """A task routed through an exchange is retried the same way; it must not double."""
+def test_celery_task_id_sent_twice_through_a_named_exchange(app, connection, rows):
     exchange = Exchange("dd_tasks", "direct")
     Queue(QUEUE, exchange, routing_key="dd.key", channel=connection.default_channel).declare()
     for _ in range(2):
         app.send_task(
-            "dd.record", ("once",), task_id="fixed-task-id", exchange=exchange, routing_key="dd.key"
+            "dd.record", ("twice",), task_id="fixed-task-id", exchange=exchange, routing_key="dd.key"
         )
-    assert rows("queue, dedup_key") == [(QUEUE, "celery:fixed-task-id:0")]
+    assert [queue for (queue,) in rows("queue")] == [QUEUE, QUEUE]
+
+
+@pytest.mark.parametrize("acks_late", [False, True])
+def test_task_replace_delivers_the_replacement(celery_dsn, schema, acks_late):
+    """Task.replace() sends the replacement under the replaced task's id while that
+    task's message is still in the table (acks_late: leased; early acks: the batched
+    ack may not have been written yet). It must run: dedup once dropped it."""
+    app = make_app(celery_dsn, schema)
+    try:
+
+        @app.task(name="dd.countdown", shared=False, bind=True, acks_late=acks_late)
+        def countdown(self: Any, n: int, seen: list[int] | None = None) -> list[int]:
+            seen = [*(seen or []), n]
+            if n == 0:
+                return seen
+            raise self.replace(countdown.s(n - 1, seen))
+
+        with start_worker(app, pool="solo", perform_ping_check=False):
+            result = countdown.delay(2)
+            assert result.get(timeout=30) == [2, 1, 0]
+    finally:
+        app.close()
 
 
 @pytest.mark.parametrize("acks_late", [False, True])
