@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 from kombu.utils import json as kombu_json
 
-from kombu_pgqueue._options import task_dedup_key
-from kombu_pgqueue._store import Outgoing
+from kombu_pgqueue.codec import task_dedup_key
+from kombu_pgqueue.records import Outgoing
 
 from .messages import TaskMessageFactory
 

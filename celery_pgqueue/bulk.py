@@ -30,7 +30,7 @@ from typing import Any
 
 from celery import Celery
 
-from kombu_pgqueue import transactions
+from kombu_pgqueue import codec, transactions
 from kombu_pgqueue._store import Store
 
 from ._template import MessageTemplate
@@ -119,9 +119,9 @@ class BulkSender:
     def _exact(self, sig: Any) -> tuple[Any, ...]:
         # links, chains, time limits...: through apply_async's own message builder
         built = task_message(self.app, sig.task, tuple(sig.args), dict(sig.kwargs), **sig.options)
-        channel = self._conn.default_channel
-        channel._inplace_augment_message(built.message, "", built.queue)
-        return channel._outgoing(built.queue, built.message).row()
+        message = codec.stamp(built.message, "", built.queue)
+        task_keys: codec.TaskKeys = "task" if self._dedup_ids else None
+        return codec.outgoing(built.queue, message, task_keys=task_keys).row()
 
     def close(self) -> None:
         self._conn.release()

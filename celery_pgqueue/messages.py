@@ -19,8 +19,8 @@ from celery.utils.functional import maybe_list
 from kombu.serialization import dumps
 from kombu.utils import json as kombu_json
 
-from kombu_pgqueue._options import task_dedup_key
-from kombu_pgqueue._store import Outgoing
+from kombu_pgqueue.codec import task_dedup_key
+from kombu_pgqueue.records import Outgoing
 
 _PASSED = (
     "chain",

@@ -265,26 +265,3 @@ def mask(dsn: str) -> str:
     if "password" in params:
         params["password"] = "**"
     return pg_conninfo.make_conninfo("", **params)
-
-
-#: the message property that names one publish call (see publish_dedup_key)
-PUBLISH_ID = "pgqueue_publish_id"
-
-
-def publish_dedup_key(task_id: str, publish_id: str) -> str:
-    """The dedup key of one publish call of a Celery task message.
-
-    Kombu's retries of that call carry the same ``publish_id``; any other publish of
-    the task id (``Task.replace``, ``Task.retry``, a chord body, the same
-    ``apply_async(task_id=...)`` sent again) has another and is queued.
-    """
-    return f"celery:{task_id}:{publish_id}"
-
-
-def task_dedup_key(task_id: str, retries: int | None = 0) -> str:
-    """The dedup key of a task message sent in bulk (``celery_pgqueue.bulk``, Spark).
-
-    The task id (and retry count): a bulk send or Spark partition that runs again
-    sends the same ids, and queues nothing that is still waiting or running.
-    """
-    return f"celery:{task_id}:{retries or 0}"

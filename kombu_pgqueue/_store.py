@@ -11,7 +11,6 @@ import os
 import secrets
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -22,94 +21,10 @@ from psycopg_pool import ConnectionPool
 from . import _pool, _sql, transactions
 from ._options import Options
 from .exceptions import MessageError, PrivilegeError, SchemaError
+from .records import STAGING_COLUMNS, DeadLetter, Delivered, Outgoing, QueueStats
 
 #: a statement that returned rows (SELECT, or RETURNING)
 TUPLES_OK = pq.ExecStatus.TUPLES_OK
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Outgoing:
-    """A message as the store writes it."""
-
-    queue: str
-    body: bytes
-    headers: str
-    properties: str
-    content_type: str | None = None
-    content_encoding: str | None = None
-    priority: int = 0
-    eta: datetime | None = None
-    expires_at: datetime | None = None
-    dedup_key: str | None = None
-
-    def row(self) -> tuple[Any, ...]:
-        """The message as a staging row, in :data:`STAGING_COLUMNS` order."""
-        return (
-            self.queue,
-            self.priority,
-            self.eta,
-            self.expires_at,
-            self.dedup_key,
-            self.body,
-            self.content_type,
-            self.content_encoding,
-            self.headers,
-            self.properties,
-        )
-
-    def params(self) -> dict[str, Any]:
-        return {
-            "queue": self.queue,
-            "body": self.body,
-            "headers": self.headers,
-            "properties": self.properties,
-            "content_type": self.content_type,
-            "content_encoding": self.content_encoding,
-            "priority": self.priority,
-            "eta": self.eta,
-            "expires_at": self.expires_at,
-            "dedup_key": self.dedup_key,
-        }
-
-
-@dataclass(frozen=True, slots=True)
-class Delivered:
-    """A message as a claim hands it out."""
-
-    id: int
-    priority: int
-    attempts: int
-    body: bytes
-    content_type: str | None
-    content_encoding: str | None
-    headers: str
-    properties: str
-
-
-@dataclass(frozen=True, slots=True)
-class DeadLetter:
-    id: int
-    queue: str
-    priority: int
-    attempts: int
-    reason: str
-    created_at: datetime
-    died_at: datetime
-    body: bytes
-    content_type: str | None
-    content_encoding: str | None
-    headers: str
-    properties: str
-
-
-@dataclass(frozen=True, slots=True)
-class QueueStats:
-    queue: str
-    ready: int
-    delayed: int
-    leased: int
-    dead: int
-    oldest_ready_age: float | None
 
 
 #: consumer-side statements whose lost commit can only cause a redelivery
@@ -119,21 +34,6 @@ _RELAXED = frozenset(
 
 #: statements that go through an enlisted application transaction, if there is one
 _PUBLISHES = frozenset({"publish", "publish_many", "publish_routed"})
-
-
-#: The staging table's columns in COPY order, and their types for binary COPY.
-STAGING_COLUMNS = (
-    ("queue", "text"),
-    ("priority", "int2"),
-    ("eta", "timestamptz"),
-    ("expires_at", "timestamptz"),
-    ("dedup_key", "text"),
-    ("body", "bytea"),
-    ("content_type", "text"),
-    ("content_encoding", "text"),
-    ("headers", "text"),
-    ("properties", "text"),
-)
 
 
 def load_staged(

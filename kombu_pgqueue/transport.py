@@ -92,36 +92,25 @@ Transport options
 
 from __future__ import annotations
 
-import json
 import logging
 import time
-import uuid
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import psycopg
 from kombu.exceptions import ChannelError
 from kombu.transport import base, virtual
 from kombu.transport.virtual.base import Empty
-from kombu.utils.json import dumps, loads
 from kombu.utils.objects import cached_property
 
-from . import _counters
+from . import _counters, codec
 from ._acks import AckBatcher
 from ._claimer import Claimer
 from ._leases import LeaseKeeper
 from ._listener import Listener, Wakeups
-from ._options import (
-    PUBLISH_ID,
-    build_conninfo,
-    check_name,
-    parse_options,
-    publish_dedup_key,
-    topic_pattern,
-)
+from ._options import build_conninfo, check_name, parse_options, topic_pattern
 from ._store import Delivered, Outgoing, Store, new_lease
-from .exceptions import ConfigurationError, MessageError
+from .exceptions import ConfigurationError
 
 logger = logging.getLogger(__name__)
 
@@ -151,20 +140,6 @@ SLOW_CLAIM_SECONDS = 0.005
 RESUME_SECONDS = 1.0
 
 
-def _loads(text: str) -> Any:
-    """Kombu's JSON ``loads``, without its per-object hook where no object can need it.
-
-    Kombu's hook only turns objects whose keys are ``__type__`` and ``__value__`` back
-    into datetimes, UUIDs and the like; a key can only be spelled that way, or with a
-    ``\\u`` escape. Without either in the text, the standard library's decoder gives the
-    same result and builds no decoder and calls no Python function per object: headers
-    and properties are decoded for every message a worker receives.
-    """
-    if "__type__" in text or "\\u" in text:
-        return loads(text)
-    return json.loads(text)
-
-
 @dataclass(slots=True)
 class ClaimJob:
     """One claim, decided by :meth:`Channel.claim_job` before it is sent."""
@@ -176,38 +151,6 @@ class ClaimJob:
     resume: tuple[int, int, float] | None
     statement: str
     params: dict[str, Any]
-
-
-def _parse_tag(delivery_tag: str) -> tuple[int, int]:
-    message_id, _, lease = str(delivery_tag).partition(".")
-    return int(message_id), int(lease or 0)
-
-
-def _parse_eta(value: Any) -> datetime | None:
-    if not value:
-        return None
-    if isinstance(value, datetime):
-        eta = value
-    else:
-        try:
-            eta = datetime.fromisoformat(str(value).replace("Z", "+00:00"))
-        except ValueError:
-            logger.warning("pgqueue: ignoring unparseable eta header %r", value)
-            return None
-    return eta if eta.tzinfo else eta.replace(tzinfo=timezone.utc)
-
-
-def _ms_from_now(value: Any) -> datetime | None:
-    if value in (None, ""):
-        return None
-    try:
-        return datetime.now(timezone.utc) + timedelta(milliseconds=float(value))
-    except (TypeError, ValueError, OverflowError):
-        raise MessageError(f"message expiration must be milliseconds, got {value!r}") from None
-
-
-def _seconds(ms: Any) -> float | None:
-    return None if ms is None else float(ms) / 1000.0
 
 
 def _cancel(timer: Any) -> None:
@@ -226,7 +169,7 @@ class QoS(virtual.QoS):
         for _ in range(5):
             try:
                 tags = [tag for tag in list(self._delivered) if tag not in self._dirty]
-                return [_parse_tag(tag) for tag in tags]
+                return [codec.parse_tag(tag) for tag in tags]
             except RuntimeError:  # the consuming thread changed the dict meanwhile
                 continue
         return []
@@ -235,7 +178,7 @@ class QoS(virtual.QoS):
         return len(self._delivered) - len(self._dirty)
 
     def ack(self, delivery_tag: str) -> None:
-        message_id, lease = _parse_tag(delivery_tag)
+        message_id, lease = codec.parse_tag(delivery_tag)
         _counters.add("acked")
         # a channel closed by a reconnect (the database restarted) has no connection,
         # but a task that finishes afterwards still acks through it: send that ack
@@ -263,7 +206,7 @@ class QoS(virtual.QoS):
         super().ack(delivery_tag)
 
     def reject(self, delivery_tag: str, requeue: bool = False) -> None:
-        message_id, lease = _parse_tag(delivery_tag)
+        message_id, lease = codec.parse_tag(delivery_tag)
         if requeue:
             self.channel.store.requeue(message_id, lease)
             _counters.add("requeued")
@@ -304,7 +247,9 @@ class Channel(virtual.Channel):
         super().__init__(connection, **kwargs)
         self.store: Store = connection.store
         # kept here: Kombu clears channel.connection when the channel closes
-        self._dedup_task_ids = connection.options.dedup_task_ids
+        self._task_keys: codec.TaskKeys = (
+            "publish" if connection.options.dedup_task_ids else None
+        )
         self._noack_queues: set[str] = set()
         self._last_claim = 0.0
         #: messages that claims in flight (see _claimer) may still bring
@@ -322,8 +267,8 @@ class Channel(virtual.Channel):
         arguments = kwargs.get("arguments") or {}
         self.store.declare_queue(
             queue,
-            expires=_seconds(arguments.get("x-expires")),
-            message_ttl=_seconds(arguments.get("x-message-ttl")),
+            expires=codec.seconds(arguments.get("x-expires")),
+            message_ttl=codec.seconds(arguments.get("x-message-ttl")),
             max_priority=arguments.get("x-max-priority"),
         )
 
@@ -434,55 +379,7 @@ class Channel(virtual.Channel):
     # -- publishing ----------------------------------------------------------------
 
     def _outgoing(self, queue: str, message: dict[str, Any]) -> Outgoing:
-        body = message.get("body")
-        if body is None:
-            body = b""
-        elif isinstance(body, str):
-            body = body.encode("utf-8")
-        elif not isinstance(body, (bytes, bytearray, memoryview)):
-            raise MessageError(f"message body must be str or bytes, got {type(body).__name__}")
-        headers = message.get("headers") or {}
-        properties = message.get("properties") or {}
-        dedup_key = self._dedup_key(headers, properties)
-        if PUBLISH_ID in properties:
-            # per publish call, not per message: a republished delivery gets a new one
-            properties = {k: v for k, v in properties.items() if k != PUBLISH_ID}
-        try:
-            # NaN and Infinity are not JSON; PostgreSQL would refuse them later
-            headers_json = dumps(headers, allow_nan=False)
-            properties_json = dumps(properties, allow_nan=False)
-        except (TypeError, ValueError) as exc:
-            raise MessageError(
-                f"message for queue {queue!r} has headers or properties that cannot be "
-                f"stored as JSON: {exc}"
-            ) from exc
-        return Outgoing(
-            queue=queue,
-            body=bytes(body),
-            headers=headers_json,
-            properties=properties_json,
-            content_type=message.get("content-type"),
-            content_encoding=message.get("content-encoding"),
-            priority=self._get_message_priority(message),
-            eta=_parse_eta(headers.get("eta")),
-            expires_at=_ms_from_now(properties.get("expiration")),
-            dedup_key=dedup_key,
-        )
-
-    def _dedup_key(self, headers: dict[str, Any], properties: dict[str, Any]) -> str | None:
-        key = properties.get("dedup_key") or headers.get("dedup_key")
-        if key is not None:
-            return check_name("dedup key", str(key))
-        if self._dedup_task_ids and headers.get("task") and headers.get("id"):
-            # Kombu retries a publish (Producer.publish(retry=True), Celery's default)
-            # by preparing the message again from the same properties dict: the id set
-            # here on the first attempt comes back on every retry of that call, so a
-            # retry whose first commit reached the server is not queued twice. A new
-            # call (Task.replace, a chord body, apply_async(task_id=...) sent again) has
-            # a new dict, so a new id: Celery meant to send it, and it is queued.
-            publish_id = properties.setdefault(PUBLISH_ID, uuid.uuid4().hex)
-            return publish_dedup_key(str(headers["id"]), str(publish_id))
-        return None
+        return codec.outgoing(queue, message, task_keys=self._task_keys)
 
     def basic_publish(
         self, message: dict[str, Any], exchange: str, routing_key: str, **kwargs: Any
@@ -574,7 +471,7 @@ class Channel(virtual.Channel):
         # the ack thread deletes it, so a claim cannot hand it out meanwhile
         if queue in self._noack_queues:
             self._last_claim = time.monotonic()
-            return [self._payload(row, queue, 0) for row in self.store.take(queue, limit)]
+            return [codec.payload(row, queue, 0) for row in self.store.take(queue, limit)]
         job = self.claim_job(queue, limit)
         return self.claimed(job, *self.store.claim_with(job.statement, job.params))
 
@@ -611,26 +508,7 @@ class Channel(virtual.Channel):
             _counters.add("claimed", queue, len(rows))
             _counters.add("redelivered", queue, sum(row.attempts > 1 for row in rows))
         lease = job.lease
-        return [self._payload(row, queue, lease) for row in rows]
-
-    def _payload(self, row: Delivered, queue: str, lease: int) -> dict[str, Any]:
-        properties = _loads(row.properties)
-        properties["delivery_tag"] = f"{row.id}.{lease}"
-        properties.pop("expiration", None)
-        delivery_info = properties.setdefault("delivery_info", {})
-        delivery_info.update(
-            redelivered=row.attempts > 1,
-            pgqueue_id=row.id,
-            pgqueue_queue=queue,
-            pgqueue_attempts=row.attempts,
-        )
-        return {
-            "body": bytes(row.body),
-            "content-type": row.content_type,
-            "content-encoding": row.content_encoding,
-            "headers": _loads(row.headers),
-            "properties": properties,
-        }
+        return [codec.payload(row, queue, lease) for row in rows]
 
     def _get(self, queue: str, timeout: float | None = None) -> dict[str, Any]:
         rows = self.fetch(queue, 1)
@@ -641,7 +519,7 @@ class Channel(virtual.Channel):
     def basic_get(self, queue: str, no_ack: bool = False, **kwargs: Any) -> Any:
         check_name("queue", queue)
         if no_ack:
-            rows = [self._payload(row, queue, 0) for row in self.store.take(queue, 1)]
+            rows = [codec.payload(row, queue, 0) for row in self.store.take(queue, 1)]
         else:
             rows = self.fetch(queue, 1)
         if not rows:
@@ -888,7 +766,7 @@ class Transport(virtual.Transport):
         return None, []
 
     def _release_payloads(self, payloads: list[dict[str, Any]]) -> None:
-        tags = [_parse_tag(p["properties"]["delivery_tag"]) for p in payloads]
+        tags = [codec.parse_tag(p["properties"]["delivery_tag"]) for p in payloads]
         tags = [(i, lease) for i, lease in tags if lease]  # no-ack ones are gone already
         if not tags:
             return

@@ -145,7 +145,9 @@ def test_each_publish_call_of_a_task_id_is_queued(make_connection, rows):
 
 
 @pytest.mark.parametrize("dedup_task_ids", [True, False])
-def test_publish_retried_after_its_commit_is_queued_once(make_connection, rows, dsn, dedup_task_ids):
+def test_publish_retried_after_its_commit_is_queued_once(
+    make_connection, rows, dsn, dedup_task_ids
+):
     """Kombu's publish retry after a connection broke between the commit and its answer.
 
     The proxy closes the connection once the server has committed the INSERT; Kombu
@@ -269,7 +271,11 @@ def test_celery_task_id_sent_twice_through_a_named_exchange(app, connection, row
     Queue(QUEUE, exchange, routing_key="dd.key", channel=connection.default_channel).declare()
     for _ in range(2):
         app.send_task(
-            "dd.record", ("twice",), task_id="fixed-task-id", exchange=exchange, routing_key="dd.key"
+            "dd.record",
+            ("twice",),
+            task_id="fixed-task-id",
+            exchange=exchange,
+            routing_key="dd.key",
         )
     assert [queue for (queue,) in rows("queue")] == [QUEUE, QUEUE]
 

@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from kombu.utils.json import dumps, loads
 
-from kombu_pgqueue.transport import _loads
+from kombu_pgqueue.codec import _loads
 
 SCALARS = st.one_of(
     st.none(),

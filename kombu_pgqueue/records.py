@@ -1,0 +1,113 @@
+"""What the broker stores and hands out, as plain records.
+
+:class:`Outgoing` is a message as it is written, :class:`Delivered` one as a claim
+hands it out, :class:`DeadLetter` one that was moved aside, :class:`QueueStats` one
+queue's counts. They carry strings and bytes only (headers and properties as JSON
+text): turning them into Kombu's dicts and back is :mod:`kombu_pgqueue.codec`'s job.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Outgoing:
+    """A message as the store writes it."""
+
+    queue: str
+    body: bytes
+    headers: str
+    properties: str
+    content_type: str | None = None
+    content_encoding: str | None = None
+    priority: int = 0
+    eta: datetime | None = None
+    expires_at: datetime | None = None
+    dedup_key: str | None = None
+
+    def row(self) -> tuple[Any, ...]:
+        """The message as a staging row, in :data:`STAGING_COLUMNS` order."""
+        return (
+            self.queue,
+            self.priority,
+            self.eta,
+            self.expires_at,
+            self.dedup_key,
+            self.body,
+            self.content_type,
+            self.content_encoding,
+            self.headers,
+            self.properties,
+        )
+
+    def params(self) -> dict[str, Any]:
+        return {
+            "queue": self.queue,
+            "body": self.body,
+            "headers": self.headers,
+            "properties": self.properties,
+            "content_type": self.content_type,
+            "content_encoding": self.content_encoding,
+            "priority": self.priority,
+            "eta": self.eta,
+            "expires_at": self.expires_at,
+            "dedup_key": self.dedup_key,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Delivered:
+    """A message as a claim hands it out."""
+
+    id: int
+    priority: int
+    attempts: int
+    body: bytes
+    content_type: str | None
+    content_encoding: str | None
+    headers: str
+    properties: str
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLetter:
+    id: int
+    queue: str
+    priority: int
+    attempts: int
+    reason: str
+    created_at: datetime
+    died_at: datetime
+    body: bytes
+    content_type: str | None
+    content_encoding: str | None
+    headers: str
+    properties: str
+
+
+@dataclass(frozen=True, slots=True)
+class QueueStats:
+    queue: str
+    ready: int
+    delayed: int
+    leased: int
+    dead: int
+    oldest_ready_age: float | None
+
+
+#: The staging table's columns in COPY order, and their types for binary COPY.
+STAGING_COLUMNS = (
+    ("queue", "text"),
+    ("priority", "int2"),
+    ("eta", "timestamptz"),
+    ("expires_at", "timestamptz"),
+    ("dedup_key", "text"),
+    ("body", "bytea"),
+    ("content_type", "text"),
+    ("content_encoding", "text"),
+    ("headers", "text"),
+    ("properties", "text"),
+)
