@@ -1,0 +1,272 @@
+"""The public door to a pgqueue broker for tools: the Celery CLI, metrics, bulk sends, Spark.
+
+.. code-block:: python
+
+    from kombu_pgqueue import admin
+
+    broker = admin.Broker("postgresql://app@db.internal/app", schema="pgqueue")
+    for stats in broker.queue_stats():
+        print(stats.queue, stats.ready, stats.leased, stats.dead)
+    dead = broker.dead_letters("emails", limit=10)
+    broker.requeue_dead([letter.id for letter in dead])
+
+:class:`Broker` works on one schema of one database: queue statistics, dead letters,
+purges, migrations, bulk loads and the monitor's bounded-cost queries. It is built from
+a DSN or ``pgqueue://`` URL and transport options, or from a Kombu connection (a Celery
+app's ``app.connection_for_write()``). It opens nothing until first used, and then
+shares the process's connection pool with every Kombu connection to that database.
+
+Also here: the records it returns (:mod:`kombu_pgqueue.records`), transport option
+parsing (:func:`parse_options`), :func:`load_staged` for connections the caller opened
+itself (a Spark executor's) and :func:`counters`, this process's event counters.
+Everything with a leading underscore elsewhere in the package may change without notice;
+what this module exports is the stable surface.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, TypeAlias
+
+import psycopg
+from kombu.connection import Connection
+from psycopg.conninfo import make_conninfo
+
+from . import _counters, _store, migrations
+from ._monitor import DEFAULT_CAP, Monitor, QueueDepth, TableSize
+from ._options import (
+    DEFAULT_SCHEMA,
+    Options,
+    build_conninfo,
+    check_schema,
+    notify_channel,
+    parse_options,
+)
+from .exceptions import ConfigurationError
+from .records import STAGING_COLUMNS, DeadLetter, Delivered, Outgoing, QueueStats
+
+__all__ = [
+    "COUNTER_EVENTS",
+    "DEFAULT_CAP",
+    "DEFAULT_SCHEMA",
+    "STAGING_COLUMNS",
+    "Broker",
+    "DeadLetter",
+    "Delivered",
+    "Monitor",
+    "Options",
+    "Outgoing",
+    "QueueDepth",
+    "QueueStats",
+    "StagingRow",
+    "TableSize",
+    "counters",
+    "load_staged",
+    "parse_options",
+]
+
+#: A message as the staging table takes it: the values of :data:`STAGING_COLUMNS`, in
+#: that order (``Outgoing.row()`` makes one).
+StagingRow: TypeAlias = Sequence[Any]
+
+#: The events :func:`counters` counts, each by queue ("" where the queue is not known).
+COUNTER_EVENTS: tuple[str, ...] = _counters.EVENTS
+
+#: every (dead letter) row, for ``limit``
+_NO_LIMIT = 2**62
+
+#: Kombu's Connection is unannotated: a typed view of its constructor
+_new_connection: Callable[..., Connection] = Connection
+
+
+def counters() -> dict[tuple[str, str], int]:
+    """``{(event, queue): count}`` of this process since it started (see :data:`COUNTER_EVENTS`).
+
+    Process-wide, not per broker: the consumers, ack batchers and lease keepers of every
+    connection in the process count into the same integers. Costs no query.
+    """
+    return _counters.snapshot()
+
+
+def load_staged(
+    conn: psycopg.Connection[Any],
+    rows: Iterable[StagingRow],
+    *,
+    schema: str = DEFAULT_SCHEMA,
+    ordered: bool = True,
+    binary: bool = False,
+) -> int:
+    """Load staging rows into ``schema``'s queues in one transaction of ``conn``.
+
+    For a connection the caller opened itself (a Spark executor's); otherwise use
+    :meth:`Broker.publish_rows`, which borrows one from the broker's pool. Returns how
+    many were inserted: a row whose dedup key is already waiting or running is skipped.
+    Consumers get one NOTIFY per queue at commit. ``ordered=False`` lets ids follow any
+    order (cheaper for large loads); ``binary`` sends binary COPY, which needs values of
+    exactly the staging types (aware datetimes, priorities within int2).
+    """
+    schema = check_schema(schema)
+    channel = notify_channel(schema)
+    return _store.load_staged(conn, schema, channel, rows, ordered=ordered, binary=binary)
+
+
+def _connection_conninfo(connection: Connection, options: Options) -> str:
+    """The libpq string the transport builds for ``connection`` (so the two share a pool)."""
+    get_transport_cls: Callable[[], type[Any]] = connection.get_transport_cls  # unannotated
+    transport_cls = get_transport_cls()
+    if getattr(transport_cls, "driver_type", None) != "pgqueue":
+        raise ConfigurationError(
+            f"the broker {connection.as_uri()!r} is not a pgqueue broker (its transport is "
+            f"{transport_cls.__module__}.{transport_cls.__qualname__}); pgqueue's "
+            "administration works on pgqueue:// brokers only"
+        )
+    return build_conninfo(
+        hostname=connection.hostname,
+        port=connection.port,
+        userid=connection.userid,
+        password=connection.password,
+        virtual_host=connection.virtual_host,
+        connect_timeout=connection.connect_timeout,
+        libpq=options.libpq,
+    )
+
+
+class Broker:
+    """Administration of one pgqueue schema in one database.
+
+    ``Broker(dsn, **transport_options)``: ``dsn`` is a libpq URL or key=value string, or a
+    ``pgqueue://`` broker URL; ``transport_options`` are the transport's (``schema``,
+    ``auto_migrate``, ``pool_max_size``, libpq keywords such as ``sslmode`` ...; see
+    :mod:`kombu_pgqueue.transport`).
+
+    Each method runs one statement on a pooled connection and commits it; nothing holds a
+    transaction open between calls, and a Broker may be shared by threads. Publishes
+    inside :func:`kombu_pgqueue.transaction` go through the application's transaction.
+    The first query of a process installs or upgrades the schema unless
+    ``auto_migrate=False``, which makes it raise :class:`~kombu_pgqueue.SchemaError`
+    instead. Connection errors are psycopg's own.
+    """
+
+    def __init__(self, dsn: str, /, **transport_options: Any) -> None:
+        options = parse_options(transport_options)
+        if dsn.partition("://")[0].split("+")[0] == "pgqueue":
+            connection = _new_connection(dsn, transport_options=transport_options)
+            self._init(_connection_conninfo(connection, options), options)
+        else:
+            self._init(make_conninfo(dsn, **options.libpq), options)
+
+    def _init(self, conninfo: str, options: Options) -> None:
+        #: the libpq connection string
+        self.conninfo = conninfo
+        #: the parsed transport options
+        self.options = options
+        self._store = _store.Store(conninfo, options)
+
+    @classmethod
+    def from_connection(cls, connection: Connection, /, **overrides: Any) -> Broker:
+        """The broker of a Kombu connection (``app.connection_for_write()`` in Celery).
+
+        Reads the connection's URL and transport options; ``overrides`` replace options
+        (``schema="other"``, ``auto_migrate=False`` ...). Neither opens nor keeps the
+        connection: it may be released at once. Raises :class:`ConfigurationError`
+        (a ValueError) if the connection's transport is not pgqueue.
+        """
+        options = parse_options({**(connection.transport_options or {}), **overrides})
+        broker = cls.__new__(cls)
+        broker._init(_connection_conninfo(connection, options), options)
+        return broker
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} schema={self.schema!r}>"
+
+    @property
+    def schema(self) -> str:
+        """The schema holding this broker's tables."""
+        return self.options.schema
+
+    # -- schema ------------------------------------------------------------------------
+
+    def migrate(self) -> list[int]:
+        """Install or upgrade the schema, whatever ``auto_migrate`` says; return the
+        versions applied (empty when it was current). Uses a connection of its own."""
+        return migrations.migrate(self.conninfo, self.schema)
+
+    def schema_version(self) -> int:
+        """The schema's applied migration version; 0 when it does not exist."""
+        with psycopg.connect(self.conninfo, autocommit=True) as conn:
+            return migrations.current_version(conn, self.schema)
+
+    def ensure_schema(self) -> None:
+        """Migrate the schema if ``auto_migrate`` (the default) allows, else check it.
+
+        Raises psycopg's error for a database that cannot be reached,
+        :class:`~kombu_pgqueue.SchemaError` for a missing or old schema when
+        ``auto_migrate`` is off, :class:`~kombu_pgqueue.PrivilegeError` for a role that
+        may not use it. Cheap when it is current; uses a connection of its own.
+        """
+        with psycopg.connect(self.conninfo, autocommit=True) as conn:
+            migrations.ensure(conn, self.schema, auto_migrate=self.options.auto_migrate)
+
+    # -- queues ------------------------------------------------------------------------
+
+    def queue_stats(self) -> list[QueueStats]:
+        """Per queue, by name: ready, delayed (ETA), leased, dead, oldest ready age.
+
+        Exact counts, so it reads every message; for a scraper that runs every few
+        seconds against large queues, use :meth:`monitor`, which stops counting at a cap.
+        """
+        return self._store.queue_stats()
+
+    def purge(self, queue: str) -> int:
+        """Delete the waiting messages of ``queue`` (leased ones stay with their
+        consumer); return how many."""
+        return self._store.purge(queue)
+
+    def monitor(self, *, cap: int = DEFAULT_CAP) -> Monitor:
+        """Bounded-cost queries for metrics: ``queue_depths()`` and ``table_sizes()``.
+
+        Counts are exact up to ``cap`` messages per queue and estimated beyond (see
+        :class:`QueueDepth`).
+        """
+        return Monitor(self._store, cap=cap)
+
+    # -- dead letters ------------------------------------------------------------------
+
+    def dead_letters(self, queue: str | None = None, limit: int | None = 100) -> list[DeadLetter]:
+        """Dead letters, oldest first: of ``queue`` (None: every queue), at most ``limit``
+        of them (None: all)."""
+        return self._store.dead_letters(queue, _NO_LIMIT if limit is None else limit)
+
+    def dead_letter(self, id: int) -> DeadLetter | None:
+        """The dead letter ``id``, or None if there is none."""
+        return self._store.dead_letter(id)
+
+    def requeue_dead(self, ids: Sequence[int]) -> list[str]:
+        """Put dead letters back in their queues with their attempts reset; return the
+        queues that got some.
+
+        A letter whose dedup key a live message holds stays dead rather than run twice,
+        and an unknown id is ignored: list the dead letters again to see which stayed.
+        """
+        return self._store.requeue_dead(list(ids)) if ids else []
+
+    def purge_dead(self, queue: str | None = None) -> int:
+        """Delete the dead letters of ``queue`` (None: every queue) for good; return how many."""
+        return self._store.purge_dead(queue)
+
+    # -- bulk loads --------------------------------------------------------------------
+
+    def publish_rows(self, rows: Sequence[StagingRow]) -> int:
+        """Store staging rows in one transaction; return how many were inserted.
+
+        The fast path of bulk sends: on the broker's own connections the rows go in by
+        COPY; inside :func:`kombu_pgqueue.transaction`, as one INSERT in the
+        application's transaction. A row whose dedup key is already waiting or running
+        is skipped. Each queue's consumers get one NOTIFY.
+        """
+        return self._store.publish_rows(rows)
+
+    def publish_many(self, messages: Sequence[Outgoing]) -> int:
+        """:meth:`publish_rows` for :class:`Outgoing` records (``kombu_pgqueue.codec``
+        builds them from Kombu messages)."""
+        return self._store.publish_many(messages)
