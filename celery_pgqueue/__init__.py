@@ -24,7 +24,7 @@ def result_backend_url(dsn: str) -> str:
     from psycopg.conninfo import conninfo_to_dict
     from sqlalchemy.engine import URL
 
-    params = conninfo_to_dict(dsn)
+    params = {k: str(v) for k, v in conninfo_to_dict(dsn).items() if v is not None}
     port = params.pop("port", None)
     url = URL.create(
         "postgresql+psycopg",
@@ -32,7 +32,7 @@ def result_backend_url(dsn: str) -> str:
         password=params.pop("password", None),
         port=int(port) if port else None,
         database=params.pop("dbname", None),
-        query={k: str(v) for k, v in params.items()},
+        query=params,
     )
     return "db+" + url.render_as_string(hide_password=False)
 

@@ -13,11 +13,10 @@ from datetime import datetime, timezone
 from json.encoder import c_make_encoder, encode_basestring_ascii  # type: ignore[attr-defined]
 from typing import TYPE_CHECKING, Any
 
-from kombu.utils import json as kombu_json
-
 from kombu_pgqueue.codec import task_dedup_key
 from kombu_pgqueue.records import Outgoing
 
+from ._kombu import json_dumps
 from .messages import TaskMessageFactory
 
 if TYPE_CHECKING:
@@ -48,7 +47,7 @@ def json_text(value: Any) -> str:
             return "".join(_c_encode(value, 0))
         return _encode(value)
     except (TypeError, ValueError):
-        return str(kombu_json.dumps(value))
+        return json_dumps(value)
 
 
 _HEADER_SLOTS = ("id", "root_id", "argsrepr", "kwargsrepr", "eta", "expires")
@@ -82,7 +81,7 @@ class MessageTemplate:
     Built from :class:`~celery_pgqueue.messages.TaskMessageFactory` output and checked
     against the factory when made, so it writes what the factory (and ``apply_async``)
     writes, at a fraction of the cost; it carries only strings, so Spark executors need
-    no Celery app. ``message()`` returns a staging row (see ``kombu_pgqueue._store.load_staged``).
+    no Celery app. ``message()`` returns a staging row (see ``kombu_pgqueue.admin.load_staged``).
     """
 
     def __init__(
@@ -153,7 +152,7 @@ class MessageTemplate:
 
     @staticmethod
     def outgoing(row: tuple[Any, ...]) -> Outgoing:
-        keys = ("queue", "priority", "eta", "expires_at", "dedup_key", "body")
+        keys: tuple[str, ...] = ("queue", "priority", "eta", "expires_at", "dedup_key", "body")
         keys += ("content_type", "content_encoding", "headers", "properties")
         return Outgoing(**dict(zip(keys, row)))
 

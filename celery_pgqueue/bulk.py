@@ -30,8 +30,7 @@ from typing import Any
 
 from celery import Celery
 
-from kombu_pgqueue import codec, transactions
-from kombu_pgqueue._store import Store
+from kombu_pgqueue import admin, codec, transactions
 
 from ._template import MessageTemplate
 from .messages import task_message
@@ -74,9 +73,15 @@ class BulkSender:
     def __init__(self, app: Celery) -> None:
         self.app = app
         self._templates: dict[tuple[str, str | None, bool], MessageTemplate] = {}
-        self._conn = app.connection_for_write()
-        self.store: Store = self._conn.default_channel.store
-        self._dedup_ids = self.store.options.dedup_task_ids
+        conn = app.connection_for_write()
+        try:
+            # connects as apply_async does (the retry policy, failover URLs, the schema
+            # check) before the first batch is built; rows go to the URL that answered
+            conn.default_channel  # noqa: B018 - the property connects
+            self.broker = admin.Broker.from_connection(conn)
+        finally:
+            conn.release()
+        self._dedup_ids = self.broker.options.dedup_task_ids
 
     def template(self, name: str, queue: str | None, keyed: bool) -> MessageTemplate:
         key = (name, queue, keyed)
@@ -87,8 +92,9 @@ class BulkSender:
         return found
 
     def row(self, sig: Any, task_id: str) -> tuple[Any, ...]:
-        """The staging row of one signature (see kombu_pgqueue._store.STAGING_COLUMNS)."""
-        options = dict.get(sig, "options")
+        """The staging row of one signature (see kombu_pgqueue.admin.STAGING_COLUMNS)."""
+        fields: dict[str, Any] = sig  # a Signature is a dict: read its items, not properties
+        options: dict[str, Any] = fields["options"]
         if not options.keys() <= _FAST_OPTIONS:
             return self._exact(sig)
         eta = _when(options.get("eta"))
@@ -98,10 +104,10 @@ class BulkSender:
         if expires is not None and not isinstance(expires, datetime):
             expires = datetime.now(timezone.utc) + timedelta(seconds=float(expires))
         dedup_key = options.get("dedup_key")
-        template = self.template(dict.get(sig, "task"), options.get("queue"), dedup_key is not None)
+        template = self.template(fields["task"], options.get("queue"), dedup_key is not None)
         priority = options.get("priority")
-        args = tuple(dict.get(sig, "args") or ())
-        kwargs = dict.get(sig, "kwargs") or {}
+        args = tuple(fields.get("args") or ())
+        kwargs: dict[str, Any] = fields.get("kwargs") or {}
         row = template.message(
             args,
             kwargs,
@@ -122,9 +128,6 @@ class BulkSender:
         message = codec.stamp(built.message, "", built.queue)
         task_keys: codec.TaskKeys = "task" if self._dedup_ids else None
         return codec.outgoing(built.queue, message, task_keys=task_keys).row()
-
-    def close(self) -> None:
-        self._conn.release()
 
 
 def send_many(app: Celery, signatures: Iterable[Any], *, batch_size: int = 10_000) -> BulkReport:
@@ -158,14 +161,13 @@ def send_many(app: Celery, signatures: Iterable[Any], *, batch_size: int = 10_00
                 report.task_ids.append(task_id)
             settle()
             if writer is None:
-                stored = sender.store.publish_rows(rows)
+                stored = sender.broker.publish_rows(rows)
                 report.enqueued += stored
                 report.skipped += len(rows) - stored
             else:
-                pending, pending_size = writer.submit(sender.store.publish_rows, rows), len(rows)
+                pending, pending_size = writer.submit(sender.broker.publish_rows, rows), len(rows)
         settle()
     finally:
         if writer is not None:
             writer.shutdown(wait=True)
-        sender.close()
     return report

@@ -14,34 +14,25 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from typing import Any
 
 import click
-from kombu.utils.json import loads
 
-from kombu_pgqueue import migrations
-from kombu_pgqueue._monitor import DEFAULT_CAP, Monitor
-from kombu_pgqueue._store import DeadLetter, Store
+from kombu_pgqueue import admin
+from kombu_pgqueue.exceptions import ConfigurationError
+
+from ._kombu import json_loads as _loads
 
 
-@contextmanager
-def _store(ctx: click.Context, *, connect: bool = True) -> Iterator[Store]:
-    app = ctx.obj.app
-    conn = app.connection_for_write()
+def _broker(ctx: click.Context, **overrides: Any) -> admin.Broker:
+    """The app's broker; ``overrides`` replace its transport options."""
+    conn = ctx.obj.app.connection_for_write()
     try:
-        if conn.transport.driver_type != "pgqueue":
-            raise click.UsageError(
-                f"the app's broker is {conn.as_uri()!r}, not pgqueue://; "
-                "these commands work on a pgqueue broker only"
-            )
-        store = conn.transport.store
-        if connect:
-            store.open()
-        yield store
+        return admin.Broker.from_connection(conn, **overrides)
+    except ConfigurationError as exc:  # not a pgqueue broker, or a bad transport option
+        raise click.UsageError(str(exc)) from exc
     finally:
         conn.release()
 
@@ -65,8 +56,8 @@ def _age(seconds: float | None) -> str:
     return f"{seconds / 3600:.1f}h"
 
 
-def _dead_dict(dead: DeadLetter, *, body: bool = False) -> dict[str, Any]:
-    headers = loads(dead.headers)
+def _dead_dict(dead: admin.DeadLetter, *, body: bool = False) -> dict[str, Any]:
+    headers = _loads(dead.headers)
     found = {
         "id": dead.id,
         "queue": dead.queue,
@@ -80,7 +71,7 @@ def _dead_dict(dead: DeadLetter, *, body: bool = False) -> dict[str, Any]:
     }
     if body:
         found["headers"] = headers
-        found["properties"] = loads(dead.properties)
+        found["properties"] = _loads(dead.properties)
         found["content_type"] = dead.content_type
         try:
             found["body"] = bytes(dead.body).decode(dead.content_encoding or "utf-8")
@@ -98,10 +89,10 @@ def pgqueue() -> None:
 @click.pass_context
 def migrate(ctx: click.Context) -> None:
     """Install or upgrade the broker schema."""
-    with _store(ctx, connect=False) as store:
-        applied = migrations.migrate(store.conninfo, store.schema)
-        done = ", ".join(map(str, applied)) or "nothing (already current)"
-        click.echo(f"schema {store.schema!r}: applied {done}")
+    broker = _broker(ctx)
+    applied = broker.migrate()
+    done = ", ".join(map(str, applied)) or "nothing (already current)"
+    click.echo(f"schema {broker.schema!r}: applied {done}")
 
 
 @pgqueue.command()
@@ -109,8 +100,7 @@ def migrate(ctx: click.Context) -> None:
 @click.pass_context
 def queues(ctx: click.Context, as_json: bool) -> None:
     """Per queue: ready, delayed (ETA), leased (in flight), dead, oldest ready age."""
-    with _store(ctx) as store:
-        stats = store.queue_stats()
+    stats = _broker(ctx).queue_stats()
     if as_json:
         click.echo(
             json.dumps(
@@ -143,9 +133,9 @@ def purge(ctx: click.Context, queue_names: tuple[str, ...], yes: bool) -> None:
     """Delete the waiting messages of QUEUE... (leased ones stay with their consumer)."""
     if not yes:
         click.confirm(f"Delete every waiting message in {', '.join(queue_names)}?", abort=True)
-    with _store(ctx) as store:
-        for name in queue_names:
-            click.echo(f"{name}: purged {store.purge(name)} messages")
+    broker = _broker(ctx)
+    for name in queue_names:
+        click.echo(f"{name}: purged {broker.purge(name)} messages")
 
 
 @pgqueue.group()
@@ -160,8 +150,7 @@ def dead() -> None:
 @click.pass_context
 def dead_list(ctx: click.Context, queue: str | None, limit: int, as_json: bool) -> None:
     """List dead letters, oldest first."""
-    with _store(ctx) as store:
-        found = [_dead_dict(d) for d in store.dead_letters(queue, limit)]
+    found = [_dead_dict(d) for d in _broker(ctx).dead_letters(queue, limit)]
     if as_json:
         click.echo(json.dumps(found, indent=2))
         return
@@ -174,8 +163,7 @@ def dead_list(ctx: click.Context, queue: str | None, limit: int, as_json: bool) 
 @click.pass_context
 def dead_show(ctx: click.Context, message_id: int) -> None:
     """Show one dead letter in full (headers, properties, body)."""
-    with _store(ctx) as store:
-        found = store.dead_letter(message_id)
+    found = _broker(ctx).dead_letter(message_id)
     if found is None:
         raise click.ClickException(f"no dead letter with id {message_id}")
     click.echo(json.dumps(_dead_dict(found, body=True), indent=2, default=str))
@@ -192,14 +180,14 @@ def dead_requeue(
     """Put dead letters back in their queues, with their attempts reset."""
     if not message_ids and not everything:
         raise click.UsageError("name dead letter ids, or pass --all")
-    with _store(ctx) as store:
-        ids = list(message_ids)
-        if everything:
-            ids = [d.id for d in store.dead_letters(queue, 2**31 - 1)]
-        queues_hit = store.requeue_dead(ids)
-        # a letter whose dedup key a live message holds stays dead rather than run twice
-        asked = set(ids)
-        stayed = [d.id for d in store.dead_letters(queue, 2**31 - 1) if d.id in asked]
+    broker = _broker(ctx)
+    ids = list(message_ids)
+    if everything:
+        ids = [d.id for d in broker.dead_letters(queue, limit=None)]
+    queues_hit = broker.requeue_dead(ids)
+    # a letter whose dedup key a live message holds stays dead rather than run twice
+    asked = set(ids)
+    stayed = [d.id for d in broker.dead_letters(queue, limit=None) if d.id in asked]
     done = len(ids) - len(stayed)
     line = f"requeued {done} dead letters into {', '.join(queues_hit) or 'no queue'}"
     if stayed:
@@ -215,8 +203,7 @@ def dead_purge(ctx: click.Context, queue: str | None, yes: bool) -> None:
     """Delete dead letters for good."""
     if not yes:
         click.confirm(f"Delete the dead letters of {queue or 'every queue'} for good?", abort=True)
-    with _store(ctx) as store:
-        click.echo(f"deleted {store.purge_dead(queue)} dead letters")
+    click.echo(f"deleted {_broker(ctx).purge_dead(queue)} dead letters")
 
 
 @pgqueue.command()
@@ -230,7 +217,10 @@ def dead_purge(ctx: click.Context, queue: str | None, yes: bool) -> None:
     help="seconds between two query sets; scrapes in between share the last one",
 )
 @click.option(
-    "--cap", default=DEFAULT_CAP, show_default=True, help="exact counts up to, estimates above"
+    "--cap",
+    default=admin.DEFAULT_CAP,
+    show_default=True,
+    help="exact counts up to, estimates above",
 )
 @click.pass_context
 def metrics(
@@ -243,9 +233,8 @@ def metrics(
         raise click.UsageError(
             f"{exc}; install the metrics extra: pip install 'kombu-pgqueue[metrics]'"
         ) from exc
-    with _store(ctx, connect=False) as store:
-        # a monitor never installs or upgrades a schema: pgqueue_up says 0 until it exists
-        options = dataclasses.replace(
-            store.options, schema=schema or store.schema, auto_migrate=False, pool_max_size=2
-        )
-        serve_forever(Monitor(Store(store.conninfo, options), cap=cap), port, addr, interval)
+    # a monitor never installs or upgrades a schema: pgqueue_up says 0 until it exists
+    overrides: dict[str, Any] = {"auto_migrate": False, "pool_max_size": 2}
+    if schema:
+        overrides["schema"] = schema
+    serve_forever(_broker(ctx, **overrides).monitor(cap=cap), port, addr, interval)

@@ -16,11 +16,11 @@ from uuid import uuid4
 from celery import Celery
 from celery.utils import uuid
 from celery.utils.functional import maybe_list
-from kombu.serialization import dumps
-from kombu.utils import json as kombu_json
 
 from kombu_pgqueue.codec import task_dedup_key
 from kombu_pgqueue.records import Outgoing
+
+from ._kombu import json_dumps, serialize
 
 _PASSED = (
     "chain",
@@ -99,7 +99,7 @@ def task_message(
     )
     if headers:
         task_headers.update(headers)
-    content_type, content_encoding, payload = dumps(body, serializer=app.conf.task_serializer)
+    content_type, content_encoding, payload = serialize(body, serializer=app.conf.task_serializer)
     properties.update(delivery_mode=2, priority=priority or 0, delivery_info={})
     if expires_s is not None:
         properties["expiration"] = str(int(max(expires_s, 0) * 1000))
@@ -122,7 +122,7 @@ def _json(value: Any) -> str:
     try:
         return std_json.dumps(value)
     except (TypeError, ValueError):
-        return kombu_json.dumps(value)  # datetimes, UUIDs, Decimals as Kombu encodes them
+        return json_dumps(value)  # datetimes, UUIDs, Decimals as Kombu encodes them
 
 
 class TaskMessageFactory:

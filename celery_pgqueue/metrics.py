@@ -27,10 +27,8 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kombu_pgqueue import _counters
-from kombu_pgqueue._monitor import DEFAULT_CAP, Monitor, QueueDepth, TableSize
-from kombu_pgqueue._options import parse_options
-from kombu_pgqueue._store import Store
+from kombu_pgqueue import admin
+from kombu_pgqueue.admin import DEFAULT_CAP, Monitor, QueueDepth, TableSize
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +36,7 @@ DEFAULT_PORT = 9808
 #: at most one query set per this many seconds; scrapes in between share its result
 DEFAULT_INTERVAL = 10.0
 
-#: process event (kombu_pgqueue._counters) -> metric name (without _total), help, by queue
+#: event (kombu_pgqueue.admin.COUNTER_EVENTS) -> metric name (without _total), help, by queue
 COUNTERS = {
     "claimed": ("pgqueue_claimed", "Messages handed out by claims.", True),
     "redelivered": ("pgqueue_redelivered", "Claimed messages delivered before.", True),
@@ -151,7 +149,7 @@ class PgQueueCollector(Collector):
         yield from (size, live, dead)
 
     def _counters(self) -> Iterator[Metric]:
-        counts = _counters.snapshot()
+        counts = admin.counters()
         # every queue that was claimed from gets every per-queue counter, 0 included
         queues = sorted({queue for (event, queue) in counts if event in ("claimed", "redelivered")})
         for event, (name, help_text, by_queue) in COUNTERS.items():
@@ -204,7 +202,7 @@ def serve_forever(monitor: Monitor, port: int, addr: str, min_interval: float) -
         server.shutdown()
 
 
-class MetricsStep(bootsteps.StartStopStep):
+class MetricsStep(bootsteps.StartStopStep):  # type: ignore[misc]  # Celery is untyped
     """Worker bootstep: serves this worker's metrics while it runs (see :func:`install`)."""
 
     label = "pgqueue metrics"
@@ -218,7 +216,6 @@ class MetricsStep(bootsteps.StartStopStep):
         self.queues = bool(conf.get("pgqueue_metrics_queues"))
         self.min_interval = float(conf.get("pgqueue_metrics_interval") or DEFAULT_INTERVAL)
         self.server: WSGIServer | None = None
-        self._connection: Any = None
 
     def include_if(self, parent: Any) -> bool:
         return self.port is not None
@@ -226,8 +223,11 @@ class MetricsStep(bootsteps.StartStopStep):
     def start(self, parent: Any) -> None:
         monitor = None
         if self.queues:
-            self._connection = parent.app.connection_for_read()
-            monitor = Monitor(self._connection.transport.store)
+            connection = parent.app.connection_for_read()
+            try:
+                monitor = admin.Broker.from_connection(connection).monitor()
+            finally:
+                connection.release()
         collector = PgQueueCollector(monitor, min_interval=self.min_interval)
         try:
             self.server = serve(collector, int(self.port), self.addr)
@@ -243,9 +243,6 @@ class MetricsStep(bootsteps.StartStopStep):
         if server is not None:
             server.shutdown()
             server.server_close()
-        connection, self._connection = self._connection, None
-        if connection is not None:
-            connection.release()
 
     terminate = stop
 
@@ -288,8 +285,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cap", type=int, default=DEFAULT_CAP)
     args = parser.parse_args(argv)
     # a monitor never installs or upgrades the schema: it reports pgqueue_up 0 until it exists
-    options = parse_options({"schema": args.schema, "auto_migrate": False, "pool_max_size": 2})
-    monitor = Monitor(Store(args.dsn, options), cap=args.cap)
+    broker = admin.Broker(args.dsn, schema=args.schema, auto_migrate=False, pool_max_size=2)
+    monitor = broker.monitor(cap=args.cap)
     serve_forever(monitor, args.port, args.addr, args.interval)
 
 

@@ -70,7 +70,7 @@ def pgqueue_dsn(request: pytest.FixtureRequest) -> Iterator[str]:
     # stop and delete the embedded server only if this fixture started it: another user
     # of embedded.start() in the same process (a conftest of one's own) may still need it
     datadir = None
-    if not given and embedded._server is None:
+    if not given and not embedded.running():
         datadir = tempfile.mkdtemp(prefix="pgqueue-pytest-")
     try:
         dsn = given or embedded.start(datadir)

@@ -41,6 +41,11 @@ def start(datadir: str | os.PathLike[str] | None = None) -> str:
     return str(_server.get_uri())
 
 
+def running() -> bool:
+    """Whether :func:`start` has a server running in this process."""
+    return _server is not None
+
+
 def stop() -> None:
     global _server
     server, _server = _server, None

@@ -9,11 +9,9 @@ from datetime import datetime, timedelta, timezone
 from time import monotonic
 from typing import TYPE_CHECKING, Any, Literal
 
-import psycopg
-from psycopg.conninfo import conninfo_to_dict, make_conninfo
+from psycopg.conninfo import conninfo_to_dict
 
-from kombu_pgqueue import migrations
-from kombu_pgqueue._options import Options, parse_options
+from kombu_pgqueue import admin
 
 if TYPE_CHECKING:
     from celery import Celery
@@ -36,14 +34,13 @@ def _max_failures(spark: SparkSession) -> int:
     return int(spark.conf.get("spark.task.maxFailures", "4") or 4)
 
 
-def _connection(
+def _broker(
     dsn: str, transport_options: Mapping[str, Any] | None, schema: str | None
-) -> tuple[str, Options]:
-    options = parse_options({**(transport_options or {}), **({"schema": schema} if schema else {})})
-    params = dict(options.libpq)
+) -> admin.Broker:
+    options = {**(transport_options or {}), **({"schema": schema} if schema else {})}
     if "application_name" not in conninfo_to_dict(dsn):
-        params.setdefault("application_name", "pgqueue-spark")
-    return make_conninfo(dsn, **params), options
+        options.setdefault("application_name", "pgqueue-spark")
+    return admin.Broker(dsn, **options)
 
 
 def _arrow_available() -> bool:
@@ -133,9 +130,8 @@ def enqueue_dataframe(
     from celery import Celery
 
     started = monotonic()
-    conninfo, options = _connection(dsn, transport_options, schema)
-    with psycopg.connect(conninfo, autocommit=True) as conn:  # fails here, not on executors
-        migrations.ensure(conn, options.schema, auto_migrate=options.auto_migrate)
+    broker = _broker(dsn, transport_options, schema)
+    broker.ensure_schema()  # fails here, not on the executors
     arrow = transfer == "arrow" or (transfer == "auto" and _arrow_available())
     kwmap = dict(kwargs) if isinstance(kwargs, Mapping) else {k: k for k in kwargs}
     keys = [dedup_key] if isinstance(dedup_key, str) else list(dedup_key or ())
@@ -161,9 +157,8 @@ def enqueue_dataframe(
     writer = _Writer(
         template=template,
         layout=layout,
-        conninfo=conninfo,
-        schema=options.schema,
-        channel=options.channel,
+        conninfo=broker.conninfo,
+        schema=broker.schema,
         eta=None if eta is None or isinstance(eta, str) else _when(eta, False),
         expires=None if expires is None or isinstance(expires, str) else _when(expires, False),
         allow_nulls=allow_nulls,

@@ -7,12 +7,10 @@ from collections.abc import Mapping
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
-from kombu_pgqueue._store import Store
-
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
 
-from ._driver import _connection
+from ._driver import _broker
 
 # -- the broker read back ----------------------------------------------------------------
 
@@ -37,8 +35,7 @@ def dead_letters_dataframe(
     Read through the driver: meant for analysis of up to millions of rows, e.g.
     ``dead_letters_dataframe(spark, dsn).groupBy("task", "reason").count()``.
     """
-    conninfo, options = _connection(dsn, transport_options, schema)
-    found = Store(conninfo, options).dead_letters(queue, limit if limit is not None else 2**62)
+    found = _broker(dsn, transport_options, schema).dead_letters(queue, limit)
     rows = []
     for dead in found:
         headers = json.loads(dead.headers)
@@ -78,8 +75,7 @@ def queue_stats_dataframe(
     transport_options: Mapping[str, Any] | None = None,
 ) -> DataFrame:
     """Per queue: ready, delayed (ETA), leased, dead, and the oldest ready message's age (s)."""
-    conninfo, options = _connection(dsn, transport_options, schema)
-    stats = Store(conninfo, options).queue_stats()
+    stats = _broker(dsn, transport_options, schema).queue_stats()
     return spark.createDataFrame(
         [asdict(s) for s in stats],
         "queue string, ready long, delayed long, leased long, dead long, oldest_ready_age double",

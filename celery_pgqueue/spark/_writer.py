@@ -3,29 +3,39 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from dataclasses import asdict
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import asdict, dataclass
+from datetime import datetime
 from itertools import repeat
 from time import perf_counter
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import psycopg
 
-from kombu_pgqueue._store import load_staged
+from kombu_pgqueue import admin
 
-if TYPE_CHECKING:
-    pass
-
+from ._messages import _Template
+from ._results import PartitionResult
 from ._rows import _builder, _Layout, _Tally
 
 
+@dataclass(frozen=True, kw_only=True)
 class _Writer:
     """What each Spark partition runs (pickled to the executors; plain strings inside)."""
 
-    def __init__(self, **fields: Any) -> None:
-        self.__dict__.update(fields)
+    template: _Template
+    layout: _Layout
+    conninfo: str
+    schema: str
+    eta: datetime | None
+    expires: datetime | None
+    allow_nulls: bool
+    max_bad_rows: int
+    max_failures: int
+    dry_run: bool
+    after_partition: Callable[[PartitionResult], None] | None
 
-    def rows_partition(self, partition: int, rows: Iterator[Any]) -> Iterator[dict[str, Any]]:
+    def rows_partition(self, partition: int, rows: Iterable[Any]) -> Iterator[dict[str, Any]]:
         yield self._run(partition, rows)
 
     def arrow_partition(self, batches: Iterator[Any]) -> Iterator[Any]:
@@ -51,7 +61,7 @@ class _Writer:
                     columns.append(column.to_pylist())
             yield from zip(*columns)
 
-    def _run(self, partition: int, rows: Iterator[Any]) -> dict[str, Any]:
+    def _run(self, partition: int, rows: Iterable[Any]) -> dict[str, Any]:
         from pyspark import TaskContext
 
         context = TaskContext.get()
@@ -68,7 +78,7 @@ class _Writer:
             error = f"{type(exc).__name__}: {exc}"
         return {"result": asdict(tally.result()), "error": error, "bad_rows": tally.bad_rows}
 
-    def _write(self, rows: Iterator[Any], tally: _Tally) -> None:
+    def _write(self, rows: Iterable[Any], tally: _Tally) -> None:
         started = perf_counter()
         # built in full first: load_staged may have to send them twice (a taken key
         # sends the direct COPY's rows the staging way)
@@ -80,13 +90,13 @@ class _Writer:
         with psycopg.connect(self.conninfo, autocommit=True) as conn:
             # ordered=False: ids need not follow the partition's row order, which spares
             # the INSERT a sort of the whole partition; binary COPY halves the client's CPU
-            tally.enqueued = load_staged(
-                conn, self.schema, self.channel, messages, ordered=False, binary=True
+            tally.enqueued = admin.load_staged(
+                conn, messages, schema=self.schema, ordered=False, binary=True
             )
         tally.insert_seconds = perf_counter() - built
 
-    def _messages(self, rows: Iterator[Any], tally: _Tally) -> Iterator[tuple[Any, ...]]:
-        layout: _Layout = self.layout
+    def _messages(self, rows: Iterable[Any], tally: _Tally) -> Iterator[tuple[Any, ...]]:
+        layout = self.layout
         build = _builder(
             self.template, layout, allow_nulls=self.allow_nulls, eta=self.eta, expires=self.expires
         )
@@ -94,7 +104,7 @@ class _Writer:
         try:
             for index, row in enumerate(rows):
                 built = build(row)
-                if type(built) is str:
+                if isinstance(built, str):
                     tally.reject(index, built, row, layout)
                 else:
                     yield built
