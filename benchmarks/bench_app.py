@@ -1,4 +1,4 @@
-"""The Celery app the benchmark workers run (``celery -A bench_app worker``).
+"""The Celery app the benchmark workers run (``celery -A benchmarks.bench_app worker``).
 
 One module for every broker: the broker URL, transport options, queue name and
 sink file come from the environment, everything else is the same Celery
@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from celery import Celery, signals
@@ -27,7 +28,7 @@ from celery import Celery, signals
 import kombu_pgqueue  # noqa: F401 - registers pgqueue:// in every process, workers included
 
 #: Celery settings shared by every broker (the harness prints them)
-COMMON_SETTINGS: dict[str, Any] = {
+COMMON_SETTINGS: Mapping[str, Any] = {
     "broker_connection_retry_on_startup": True,
     "task_ignore_result": True,
     "result_backend": None,
@@ -40,13 +41,30 @@ COMMON_SETTINGS: dict[str, Any] = {
     "worker_redirect_stdouts": False,
 }
 
-_sink_fd: int | None = None
-_starts: dict[str, float] = {}
 
+class _Recorder:
+    """The sink of one worker process: the signal handlers' lines, appended one write each."""
 
-def _write(line: str) -> None:
-    if _sink_fd is not None:
-        os.write(_sink_fd, line.encode())
+    def __init__(self, sink: str | None) -> None:
+        self.fd = os.open(sink, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644) if sink else None
+        self.starts: dict[str, float] = {}
+
+    def write(self, line: str) -> None:
+        if self.fd is not None:
+            os.write(self.fd, line.encode())
+
+    def on_ready(self, **kwargs: Any) -> None:
+        self.write(f"ready {time.time()!r}\n")
+
+    def on_prerun(self, task_id: str | None = None, task: Any = None, **kwargs: Any) -> None:
+        if task is not None and task.name == "bench.noop" and task_id:
+            self.starts[task_id] = time.time()
+
+    def on_postrun(self, task_id: str | None = None, task: Any = None, **kwargs: Any) -> None:
+        if task is not None and task.name == "bench.noop" and task_id:
+            end = time.time()
+            start = self.starts.pop(task_id, end)
+            self.write(f"e {start!r} {end!r} {task_id}\n")
 
 
 def make_app(
@@ -56,7 +74,7 @@ def make_app(
 
     With ``sink`` (worker side), the signal handlers that record timings are connected.
     """
-    global _sink_fd
+    recorder = _Recorder(sink)
     app = Celery("bench_app", broker=broker, set_as_current=False)
     app.conf.update(
         COMMON_SETTINGS,
@@ -73,32 +91,16 @@ def make_app(
     @app.task(name="bench.latency", shared=False)
     def latency(sent: float) -> None:
         started = time.time()
-        _write(f"l {sent!r} {started!r}\n")
+        recorder.write(f"l {sent!r} {started!r}\n")
 
     if sink:
-        _sink_fd = os.open(sink, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        signals.worker_ready.connect(_on_ready, weak=False)
-        signals.task_prerun.connect(_on_prerun, weak=False)
-        signals.task_postrun.connect(_on_postrun, weak=False)
+        signals.worker_ready.connect(recorder.on_ready, weak=False)
+        signals.task_prerun.connect(recorder.on_prerun, weak=False)
+        signals.task_postrun.connect(recorder.on_postrun, weak=False)
     return app
 
 
-def _on_ready(**kwargs: Any) -> None:
-    _write(f"ready {time.time()!r}\n")
-
-
-def _on_prerun(task_id: str | None = None, task: Any = None, **kwargs: Any) -> None:
-    if task is not None and task.name == "bench.noop" and task_id:
-        _starts[task_id] = time.time()
-
-
-def _on_postrun(task_id: str | None = None, task: Any = None, **kwargs: Any) -> None:
-    if task is not None and task.name == "bench.noop" and task_id:
-        end = time.time()
-        start = _starts.pop(task_id, end)
-        _write(f"e {start!r} {end!r} {task_id}\n")
-
-
+#: the app ``celery -A benchmarks.bench_app worker`` finds (the harness sets the environment)
 if os.environ.get("BENCH_BROKER_URL"):
     app = make_app(
         os.environ["BENCH_BROKER_URL"],

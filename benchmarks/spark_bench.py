@@ -4,6 +4,9 @@
     python benchmarks/spark_bench.py --profile               # and where the time goes
     python benchmarks/spark_bench.py --embedded              # a throwaway PostgreSQL 18
     PGQUEUE_DSN=postgresql://... python benchmarks/spark_bench.py
+    python -m benchmarks.spark_bench                         # the same, from the repo root
+
+Needs the package importable: ``pip install -e .`` (Spark's Python workers import it too).
 
 1,000,000 rows in 8 partitions on ``local[2]``: a first run, then an identical re-run that
 must enqueue nothing new. The Spark session start, and the first Python job (Spark starts
@@ -23,10 +26,7 @@ import os
 import sys
 import threading
 import uuid
-from pathlib import Path
 from time import perf_counter
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 DEFAULT_DSN = "host=127.0.0.1 dbname=test user=postgres"
 TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100

@@ -384,11 +384,7 @@ def snapshot(ctx: Context, vacuum_every: float) -> Result:
         steps = [marks["after"] + 10 * k for k in range(int(after // 10) + 1)]
         r_steps = [rate(a, b) for a, b in zip(steps, steps[1:])]
         recovered = next(
-            (
-                10 * k
-                for k in range(len(r_steps))
-                if all(r >= 0.8 * r_before for r in r_steps[k:])
-            ),
+            (10 * k for k in range(len(r_steps)) if all(r >= 0.8 * r_before for r in r_steps[k:])),
             None,
         )
         claims = _merge(reports, 1)

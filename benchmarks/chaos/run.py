@@ -2,7 +2,7 @@
 """Run the chaos scenarios and print a ledger for each.
 
     python -m benchmarks.chaos [scenario ...] [--tasks N] [--minutes M] [--quick]
-    python benchmarks/chaos/run.py kill --tasks 5000
+    python benchmarks/chaos/run.py kill --tasks 5000    # from the repo root: the same
 
 Scenarios: kill, long, dbrestart, listenkill, poison, load, snapshot (default: all).
 The exit status is 0 when every scenario passed.
@@ -19,8 +19,11 @@ import time
 import traceback
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a file: make `benchmarks.chaos` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+if __package__ in (None, ""):  # run as a file: hand over to `python -m benchmarks.chaos`
+    _root = Path(__file__).resolve().parents[2]
+    if Path.cwd().resolve() != _root:
+        sys.exit(f"run it from the repository root {_root}: python -m benchmarks.chaos ...")
+    os.execv(sys.executable, [sys.executable, "-m", "benchmarks.chaos", *sys.argv[1:]])
 
 from benchmarks.chaos import celery_scenarios, kombu_scenarios, procs  # noqa: E402
 from benchmarks.chaos.context import Context, Result  # noqa: E402

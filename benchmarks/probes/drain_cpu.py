@@ -54,7 +54,6 @@ def main() -> None:
     trace = "/tmp/probe_drain_cpu.log"
     env = {**os.environ, "PROBE_BROKER": url, "PROBE_TRACE": trace, "PROBE_SCHEMA": "probe_s"}
     os.environ.update(env)
-    sys.path.insert(0, HERE)
     if url.startswith("pgqueue"):
         import psycopg
 
@@ -74,9 +73,22 @@ def main() -> None:
     if os.path.exists(trace):
         os.remove(trace)
     worker = subprocess.Popen(
-        ["celery", "-A", "lat_app", "worker", "-P", "prefork", "-c", "2",
-         "--without-mingle", "--without-gossip", "-l", "WARNING"],
-        cwd=HERE, env=env,
+        [
+            "celery",
+            "-A",
+            "lat_app",
+            "worker",
+            "-P",
+            "prefork",
+            "-c",
+            "2",
+            "--without-mingle",
+            "--without-gossip",
+            "-l",
+            "WARNING",
+        ],
+        cwd=HERE,
+        env=env,
     )
     marks = []
     try:
@@ -108,8 +120,10 @@ def main() -> None:
         pair[0] += user - user0
         pair[1] += system - system0
     total = sum(u + s for u, s in groups.values())
-    print(f"{url.split(':')[0]}: {tasks / (t1 - t0):.0f} tasks/s over {tasks} tasks; "
-          f"CPU {total / tasks * 1e6:.0f} us per task, {total / (t1 - t0):.2f} cores")
+    print(
+        f"{url.split(':')[0]}: {tasks / (t1 - t0):.0f} tasks/s over {tasks} tasks; "
+        f"CPU {total / tasks * 1e6:.0f} us per task, {total / (t1 - t0):.2f} cores"
+    )
     for group, (user, system) in sorted(groups.items(), key=lambda kv: -sum(kv[1])):
         print(
             f"  {group:<22} {(user + system) / tasks * 1e6:5.0f} us/task "

@@ -78,9 +78,12 @@ def lat(sent: float) -> None:
 def noop() -> None:
     ev("noop")
 
+
 if os.environ.get("PROBE_SWITCH"):
     import sys
+
     sys.setswitchinterval(float(os.environ["PROBE_SWITCH"]))
 if os.environ.get("PROBE_OPTS"):
     import json
+
     app.conf.broker_transport_options.update(json.loads(os.environ["PROBE_OPTS"]))

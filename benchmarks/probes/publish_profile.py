@@ -73,9 +73,26 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         raw = os.path.join(tmp, "stacks.txt")
         out = subprocess.run(
-            ["py-spy", "record", "--idle", "--nonblocking", "-r", "1000", "-f", "raw",
-             "-o", raw, "--", sys.executable, __file__, "--loop", url],
-            check=True, capture_output=True, text=True,
+            [
+                "py-spy",
+                "record",
+                "--idle",
+                "--nonblocking",
+                "-r",
+                "1000",
+                "-f",
+                "raw",
+                "-o",
+                raw,
+                "--",
+                sys.executable,
+                __file__,
+                "--loop",
+                url,
+            ],
+            check=True,
+            capture_output=True,
+            text=True,
         ).stdout
         done = next(line for line in out.splitlines() if " apply_async in " in line)
         seconds = float(done.split(" in ")[1].split()[0])
