@@ -13,8 +13,10 @@ cost the main process 44-50 us more per task (286-292 against 242), and the pool
 idle while each claim waited for the GIL (2,442-2,494 against 2,944-2,957 tasks/s,
 benchmarks/probes/drain_cpu.py, 2026-11-24).
 
-Nothing claimed is left leased and unseen: a claim in flight when the claimer closes
-is awaited, and what it brought goes to ``undelivered``, which releases it.
+The claimer knows claims, not consumers: it takes :class:`ClaimRequest` s and hands back
+:class:`ClaimResult` s. Nothing claimed is left leased and unseen: a claim in flight
+when the claimer closes is awaited, and ``close()`` returns what it brought, for the
+consumer to release.
 """
 
 from __future__ import annotations
@@ -24,22 +26,19 @@ import logging
 import select
 import struct
 import time
-from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
 from psycopg import errors, pq
 
 from . import _pool
-from ._store import Delivered
+from ._store import Store
+from .records import ClaimRequest, ClaimResult, Delivered
 
 BINARY = pq.Format.BINARY
 _FLOAT8 = struct.Struct(">d")
 
 logger = logging.getLogger(__name__)
-
-#: (channel, queue, limit, payloads or None, error or None)
-Result = tuple[Any, str, int, "list[dict[str, Any]] | None", "BaseException | None"]
 
 #: how long close() waits for a claim in flight, to release what it claimed (after
 #: that, its leases run out by themselves)
@@ -48,8 +47,6 @@ CLOSE_WAIT_SECONDS = 2.0
 
 #: result columns of the claim statements, and the type OID each must have
 _CLAIM_COLUMN_TYPES = (20, 21, 23, 17, 25, 25, 25, 25, 701)  # int8 int2 int4 bytea text*4 float8
-
-Job = tuple[Any, str, int]
 
 #: the statements a claimer sends (see Store.claim_params)
 CLAIM_STATEMENTS = ("claim", "claim_after")
@@ -84,9 +81,8 @@ class Claimer:
     text format (the statement gives their types) and rows come back in binary.
     """
 
-    def __init__(self, store: Any, undelivered: Callable[[list[Result]], None]) -> None:
+    def __init__(self, store: Store) -> None:
         self._store = store
-        self._undelivered = undelivered
         self._conn = _pool.connect(store.conninfo, store.options)
         self._conn.execute(_pool.SESSION_SETTINGS)
         self._pgconn = self._conn.pgconn
@@ -96,26 +92,36 @@ class Claimer:
         self._prepared: dict[str, tuple[str, ...]] = {}
         if store.options.prepare_threshold is not None:
             self._prepare(CLAIM_STATEMENTS)
-        self._jobs: collections.deque[Job] = collections.deque()
-        #: the claim in flight: (channel, ClaimJob)
-        self._current: tuple[Any, Any] | None = None
+        self._jobs: collections.deque[ClaimRequest] = collections.deque()
+        #: the claim in flight
+        self._current: ClaimRequest | None = None
         self._rows: list[Delivered] = []
         self._error: BaseException | None = None
         #: seconds the claim in flight took in the server
         self._took = 0.0
-        self._results: list[Result] = []
+        self._results: list[ClaimResult] = []
         self.closed = False
 
     def fileno(self) -> int:
         return self._fd
 
-    def submit(self, channel: Any, queue: str, limit: int) -> None:
+    @property
+    def backend_pid(self) -> int:
+        """The server process of the claimer's session."""
+        return int(self._pgconn.backend_pid)
+
+    @property
+    def prepared(self) -> frozenset[str]:
+        """Statements prepared in the claimer's session."""
+        return frozenset(self._prepared)
+
+    def submit(self, request: ClaimRequest) -> None:
         """Send the claim now, or after the one in flight; raises if it cannot be sent."""
-        self._jobs.append((channel, queue, limit))
+        self._jobs.append(request)
         if self._current is None:
             self._send_next(raise_errors=True)
 
-    def results(self) -> list[Result]:
+    def results(self) -> list[ClaimResult]:
         """Every claim that completed (call when the socket is readable).
 
         Raises the connection's error if it broke while no claim was in flight (the
@@ -131,26 +137,24 @@ class Claimer:
                     self._finish()
             except BaseException as exc:  # noqa: BLE001 - the loop raises it
                 # the connection broke (an error the server sent first says why)
-                channel, job = self._current
-                error = self._error or exc
+                request, error = self._current, self._error or exc
                 self._current, self._rows, self._error, self._took = None, [], None, 0.0
-                self._results.append((channel, job.queue, job.limit, None, error))
+                self._results.append(ClaimResult(request, [], error=error))
             self._send_next(raise_errors=False)
         out, self._results = self._results, []
         return out
 
     def _send_next(self, raise_errors: bool) -> None:
         while self._current is None and self._jobs:
-            channel, queue, limit = self._jobs.popleft()
+            request = self._jobs.popleft()
             try:
-                job = channel.claim_job(queue, limit)
-                self._send(job.statement, job.params)
+                self._send(request.statement, request.params)
             except BaseException as exc:
                 if raise_errors:
                     raise
-                self._results.append((channel, queue, limit, None, exc))
+                self._results.append(ClaimResult(request, [], error=exc))
                 continue
-            self._current = (channel, job)
+            self._current = request
 
     def _send(self, name: str, params: dict[str, Any]) -> None:
         text, keys = self._store.positional(name)
@@ -174,7 +178,7 @@ class Claimer:
 
     def _raise(self, name: str, result: pq.abc.PGresult) -> None:
         error = errors.error_from_result(result, encoding=self._encoding)
-        with self._store._translated(name):
+        with self._store.translated(name):
             raise error
 
     def _collect(self) -> bool:
@@ -188,7 +192,8 @@ class Claimer:
                 self._rows = self._load(result)
             elif self._error is None:
                 try:
-                    self._raise(self._current[1].statement, result)  # type: ignore[index]
+                    assert self._current is not None
+                    self._raise(self._current.statement, result)
                 except BaseException as exc:  # noqa: BLE001 - reported with the claim
                     self._error = exc
         return False
@@ -219,23 +224,18 @@ class Claimer:
         ]
 
     def _finish(self) -> None:
-        channel, job = self._current  # type: ignore[misc]
-        self._current = None
+        request, self._current = self._current, None
+        assert request is not None
         rows, self._rows = self._rows, []
         error, self._error = self._error, None
         took, self._took = self._took, 0.0
-        if error is None:
-            try:
-                payloads = channel.claimed(job, rows, took)
-            except BaseException as exc:  # noqa: BLE001 - the loop raises it
-                error = exc
-        self._results.append((channel, job.queue, job.limit, None if error else payloads, error))
+        self._results.append(ClaimResult(request, [] if error else rows, took, error))
 
-    def close(self) -> None:
-        """Close the connection; a claim in flight is awaited (CLOSE_WAIT_SECONDS) and
-        what it claimed goes to ``undelivered`` with what the loop did not take."""
+    def close(self) -> list[ClaimResult]:
+        """Close the connection; a claim in flight is awaited (CLOSE_WAIT_SECONDS).
+        Returns the claims that brought rows the loop did not take, to be released."""
         if self.closed:
-            return
+            return []
         self.closed = True
         self._jobs.clear()
         if self._current is not None:
@@ -256,6 +256,4 @@ class Claimer:
             self._conn.close()
         except Exception:  # noqa: S110 - closing a broken connection
             pass
-        left = [r for r in left if r[3]]
-        if left:
-            self._undelivered(left)
+        return [result for result in left if result.rows]

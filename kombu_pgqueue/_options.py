@@ -1,6 +1,60 @@
 """Pure functions: transport options and connection parameters.
 
 Nothing here touches a database, so it is unit-tested without one.
+
+Transport options
+=================
+* ``schema`` (str, ``"pgqueue"``): schema holding the broker's tables.
+* ``visibility_timeout`` (float, 60): lease length in seconds. A dead consumer's
+  messages come back after this long; a live one renews before it runs out.
+* ``lease_renewal_interval`` (float, visibility_timeout / 3): seconds between renewals.
+* ``max_attempts`` (int, 5): deliveries without an ack before a message is moved to
+  the dead letters. 0 turns the limit off.
+* ``polling_interval`` (float, 5.0): seconds between safety polls, which catch what a
+  lost notification missed and keep expiring queues alive. With LISTEN off this is
+  the delivery latency.
+* ``batch_acks`` (bool, True): acks are deleted by a background thread, everything
+  acked since its last statement in one statement (as AMQP acks, they are not
+  confirmed; a process killed right after ``ack()`` gets the message redelivered).
+  False deletes each row before ``ack()`` returns.
+* ``async_claims`` (bool, True): a consumer in an event loop (a Celery worker) sends
+  its claims on a connection of its own without waiting for them (the socket is a
+  reader of the loop), so the loop goes on dispatching tasks and reading results while
+  a claim is in the database. False claims in the loop's own thread, waiting; then a
+  task claimed by the loop's tick callback (the first safety poll after a reconnect, a
+  window that opened again) can wait in a prefork pool until the loop's next wakeup.
+  ``claim_thread`` is its former name (claims ran on a helper thread then).
+* ``dedup_task_ids`` (bool, True): when Kombu retries a publish of a Celery task
+  message (its connection broke after the commit may have reached the server), the
+  retry is not queued again while the first copy waits or runs: each publish call is
+  keyed by the task id and an id of the call. Only retries of one call are dropped: a
+  task id sent again on purpose (``Task.replace``, chord bodies, ``Task.retry``,
+  ``apply_async(task_id=...)`` twice) is always queued. Any message may
+  also carry its own key: ``properties["dedup_key"]`` or ``headers["dedup_key"]``
+  (Celery: ``apply_async(..., dedup_key="...")``); with ``dedup_replace=True`` a
+  waiting message with that key is replaced instead.
+* ``relax_consumer_commits`` (bool, True): claims, acks, renewals and releases commit
+  without waiting for the WAL flush (each statement sets ``synchronous_commit`` to off
+  for its own commit, with ``set_config(..., true)``). A database crash can forget the
+  last of them, which only causes a redelivery. Publishes wait for the flush unless
+  the ``synchronous_commit`` option says otherwise.
+* ``sweep_interval`` (float, 30): seconds between removals of expired messages
+  and unused ``x-expires`` queues.
+* ``listen`` (bool, True): wait on LISTEN/NOTIFY. Turn off behind PgBouncer in
+  transaction mode (then also set ``prepare_threshold`` to None).
+* ``auto_migrate`` (bool, True): install or upgrade the schema on first connect.
+  When off, a missing or old schema raises :class:`~kombu_pgqueue.SchemaError`
+  naming ``python -m kombu_pgqueue migrate``.
+* ``pool_max_size`` (int, 8): pooled connections per process and database.
+* ``pool_timeout`` (float, 30): seconds to wait for a pooled connection.
+* ``prepare_threshold`` (int or None, 5): psycopg's server-side prepare threshold.
+* ``synchronous_commit`` (str, unset): PostgreSQL's ``synchronous_commit`` for the
+  broker's sessions. Unset keeps the server's (durable) setting. ``"off"`` makes
+  publishes several times faster on slow disks but a database crash can lose the last
+  few hundred milliseconds of published messages, as Redis without AOF can. Off by
+  default; benchmarked separately.
+* ``libpq`` (dict, {}): extra libpq connection parameters; top-level options
+  named like libpq keywords (``sslmode``, ``application_name``, ...) go there too.
 """
 
 from __future__ import annotations

@@ -21,7 +21,23 @@ from psycopg_pool import ConnectionPool
 from . import _pool, _sql, transactions
 from ._options import Options
 from .exceptions import MessageError, PrivilegeError, SchemaError
-from .records import STAGING_COLUMNS, DeadLetter, Delivered, Outgoing, QueueStats
+from .records import (
+    STAGING_COLUMNS,
+    ClaimRequest,
+    ClaimResult,
+    DeadLetter,
+    Delivered,
+    Outgoing,
+    QueueStats,
+)
+
+#: errors that mean the connection, not the statement, failed: Kombu reconnects
+CONNECTION_ERRORS: tuple[type[Exception], ...] = (psycopg.OperationalError, psycopg.InterfaceError)
+
+
+def driver_version() -> str:
+    return str(psycopg.__version__)
+
 
 #: a statement that returned rows (SELECT, or RETURNING)
 TUPLES_OK = pq.ExecStatus.TUPLES_OK
@@ -168,7 +184,7 @@ class Store:
         return self._pool
 
     @contextmanager
-    def _translated(self, name: str) -> Iterator[None]:
+    def translated(self, name: str) -> Iterator[None]:
         # the one place that turns SQLSTATEs into pgqueue errors
         try:
             yield
@@ -194,12 +210,12 @@ class Store:
         if name in _PUBLISHES:
             enlisted = transactions.current()
             if enlisted is not None:
-                with self._translated(name):
+                with self.translated(name):
                     return enlisted.rows(self.schema, self._q[name], params)
         if name in _RELAXED:
             # the statement itself turns synchronous_commit off for its own commit
             params["synchronous_commit"] = "off" if self.options.relax_consumer_commits else None
-        with self._translated(name), self.pool.connection() as conn:
+        with self.translated(name), self.pool.connection() as conn:
             cur = conn.execute(self._q[name], params, prepare=prepare)
             # the result's status, not cur.description (which builds a Column per column)
             result = cur.pgresult
@@ -234,7 +250,7 @@ class Store:
         if not rows:
             return 0
         if transactions.current() is None:
-            with self._translated("publish_many"), self.pool.connection() as conn:
+            with self.translated("publish_many"), self.pool.connection() as conn:
                 return load_staged(conn, self.options.schema, self.options.channel, rows)
         columns: dict[str, list[Any]] = {name: [] for name, _ in STAGING_COLUMNS}
         for row in rows:
@@ -268,24 +284,24 @@ class Store:
         ``after`` = (priority, id) claims only messages of that priority with a larger
         id (statement ``claim_after``): the index scan starts right there.
         """
-        return self.claim_with(*self.claim_params(queue, limit, lease, now, after))[0]
+        return self.run_claim(self.claim_request(queue, limit, lease, now, after)).rows
 
-    def claim_with(self, name: str, params: dict[str, Any]) -> tuple[list[Delivered], float]:
-        """Run a claim that :meth:`claim_params` prepared; return its rows and the
-        seconds it took in the server (0 when it claimed nothing)."""
-        rows = self._rows(name, params)
-        return [Delivered(*row[:8]) for row in rows], (rows[-1][8] if rows else 0.0)
+    def run_claim(self, request: ClaimRequest) -> ClaimResult:
+        """Run a claim here and wait for it (the claimer sends the same without waiting)."""
+        rows = self._rows(request.statement, dict(request.params))
+        took = rows[-1][8] if rows else 0.0
+        return ClaimResult(request, [Delivered(*row[:8]) for row in rows], took)
 
-    def claim_params(
+    def claim_request(
         self,
         queue: str,
         limit: int,
         lease: int,
         now: datetime | None = None,
         after: tuple[int, int] | None = None,
-    ) -> tuple[str, dict[str, Any]]:
-        """The statement name and parameters of :meth:`claim` (also sent by the loop claimer)."""
-        return "claim" if after is None else "claim_after", {
+    ) -> ClaimRequest:
+        """A claim of up to ``limit`` messages, leased by ``lease``, ready to run."""
+        params = {
             "queue": queue,
             "limit": limit,
             "lease": lease,
@@ -296,6 +312,8 @@ class Store:
             "after_id": None if after is None else after[1],
             "synchronous_commit": "off" if self.options.relax_consumer_commits else None,
         }
+        statement = "claim" if after is None else "claim_after"
+        return ClaimRequest(queue, limit, lease, statement, params, after)
 
     def positional(self, name: str) -> tuple[bytes, tuple[str, ...]]:
         """Statement ``name`` with ``$n`` placeholders, and the parameter name of each n.

@@ -111,3 +111,26 @@ STAGING_COLUMNS = (
     ("headers", "text"),
     ("properties", "text"),
 )
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimRequest:
+    """One claim as the store will run it (see ``Store.claim_request``)."""
+
+    queue: str
+    limit: int
+    lease: int
+    #: "claim" (from the head) or "claim_after" (after ``after`` = (priority, id))
+    statement: str
+    params: dict[str, Any]
+    after: tuple[int, int] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimResult:
+    """What a claim brought: its rows and time in the server, or the error it met."""
+
+    request: ClaimRequest
+    rows: list[Delivered]
+    took: float = 0.0
+    error: BaseException | None = None

@@ -1,9 +1,10 @@
-"""Asynchronous claims (Transport._claimer) for consumers in an event loop.
+"""Asynchronous claims (the consumer's claimer) for consumers in an event loop.
 
 The loop sends a claim on the claimer's own connection and goes on; when the answer
 is in (the socket is a reader of the loop) it delivers. These tests drive a real Hub
 and a real database, and step in between "the claim came back" and "the loop
-delivered it" to check what happens to messages claimed for a consumer that went away
+delivered it" (the consumer's deliver_pending and on_claimed, which the loop calls)
+to check what happens to messages claimed for a consumer that went away
 meanwhile, to wakeups that arrive while a claim is in flight, to the prefetch window,
 and to a claim that fails in the database or is in flight when the claimer closes.
 """
@@ -21,6 +22,7 @@ import pytest
 from kombu import Connection, Consumer, Producer, Queue
 from kombu.asynchronous import Hub
 
+from kombu_pgqueue import _consumer
 from kombu_pgqueue._listener import Wakeups
 from kombu_pgqueue._store import Store
 
@@ -35,30 +37,29 @@ def _fill(conn: Connection, queue: str, n: int) -> None:
 
 def _claim_returned(conn: Connection, timeout: float = 10) -> None:
     """Wait until the claim's answer is readable (without letting the loop take it)."""
-    claimer = conn.transport._claimer
+    claimer = conn.transport.consumer.claimer
     assert claimer is not None
     ready, _, _ = select.select([claimer.fileno()], [], [], timeout)
     assert ready, "the claim brought nothing back"
 
 
-def _busy(conn: Connection) -> None:
-    """Make the transport count as delivering all along, so no claim goes inline.
+@pytest.fixture
+def busy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make consumers count as delivering all along, so no claim goes inline.
 
     An idle consumer (nothing delivered for IDLE_INLINE_SECONDS) claims in the loop's
-    own thread, waiting; these tests are about claims that do not wait.
+    own thread, waiting; tests that use this are about claims that do not wait.
     """
-    conn.transport._last_delivery = time.monotonic() + 3600
+    monkeypatch.setattr(_consumer, "IDLE_INLINE_SECONDS", float("inf"))
 
 
 def _registered(
-    make_connection: Callable[..., Connection], hub: Hub, queue: str, n: int, busy: bool = True
+    make_connection: Callable[..., Connection], hub: Hub, queue: str, n: int
 ) -> Connection:
     """A connection in ``hub``'s loop, with ``n`` messages waiting in ``queue``."""
     conn = make_connection(**QUIET)
     _fill(conn, queue, n)
     conn.transport.register_with_event_loop(conn.connection, hub)
-    if busy:
-        _busy(conn)
     return conn
 
 
@@ -81,7 +82,7 @@ def _failing_on_second(
     make_connection: Callable[..., Connection], hub: Hub, queue: str, prefetch: int
 ) -> tuple[Connection, list[int]]:
     """A consumer of five messages in ``queue`` whose callback raises on the second."""
-    conn = _registered(make_connection, hub, queue, 5, busy=False)
+    conn = _registered(make_connection, hub, queue, 5)
     got: list[int] = []
 
     def on_message(body: int, message: Any) -> None:
@@ -90,39 +91,39 @@ def _failing_on_second(
             raise RuntimeError("the consumer's callback failed")
 
     Consumer(conn, [Queue(queue)], callbacks=[on_message], prefetch_count=prefetch).consume()
-    conn.transport._pending.add(queue)
+    conn.transport.consumer.pending.add(queue)
     return conn, got
 
 
-def _spy_claims(conn: Connection) -> list[str]:
+def _spy_claims(conn: Connection, monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """How each claim on ``conn`` went, in order: "waited" (the loop's thread waited for
     the answer) or "sent" (sent without waiting, the answer read when it came)."""
     how: list[str] = []
-    channel = conn.default_channel
-    fetch = channel.fetch
-    claimer = conn.transport._claimer
+    consumer = conn.transport.consumer
+    claimer = consumer.claimer
     assert claimer is not None
-    submit = claimer.submit
+    fetch, submit = consumer.fetch, claimer.submit
 
-    def spy_fetch(queue: str, limit: int) -> list[Any]:
+    def spy_fetch(*args: Any) -> list[Any]:
         how.append("waited")
-        return fetch(queue, limit)
+        return fetch(*args)
 
-    def spy_submit(channel: Any, queue: str, limit: int) -> None:
+    def spy_submit(request: Any) -> None:
         how.append("sent")
-        submit(channel, queue, limit)
+        submit(request)
 
-    channel.fetch = spy_fetch
-    claimer.submit = spy_submit  # type: ignore[method-assign]
+    monkeypatch.setattr(consumer, "fetch", spy_fetch)
+    monkeypatch.setattr(claimer, "submit", spy_submit)
     return how
 
 
+@pytest.mark.usefixtures("busy")
 def test_claims_are_sent_without_waiting_and_delivered_in_the_loop_thread(
-    make_connection: Callable[..., Connection], hub: Hub
+    make_connection: Callable[..., Connection], hub: Hub, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     conn = _registered(make_connection, hub, "ct", 30)
-    transport = conn.transport
-    how = _spy_claims(conn)
+    consumer = conn.transport.consumer
+    how = _spy_claims(conn, monkeypatch)
     got: list[tuple[int, str]] = []
     Consumer(
         conn,
@@ -131,17 +132,18 @@ def test_claims_are_sent_without_waiting_and_delivered_in_the_loop_thread(
         prefetch_count=4,
     ).consume()
 
-    transport._pending.add("ct")
-    transport._deliver_pending()
-    assert got == [] and "ct" in transport._inflight  # sent; the loop did not wait
+    consumer.pending.add("ct")
+    consumer.deliver_pending()
+    assert got == [] and "ct" in consumer.in_flight  # sent; the loop did not wait
     hub.run_until(lambda: len(got) == 30, 20)
 
     assert [body for body, _ in got] == list(range(30))
     assert {name for _, name in got} == {threading.current_thread().name}
     assert set(how) == {"sent"} and len(how) >= 8  # batches of at most 4
-    assert transport._inflight == set()
+    assert consumer.in_flight == frozenset()
 
 
+@pytest.mark.usefixtures("busy")
 def test_a_claim_never_brings_more_than_the_prefetch_window(
     make_connection: Callable[..., Connection], hub: Hub
 ) -> None:
@@ -156,46 +158,48 @@ def test_a_claim_never_brings_more_than_the_prefetch_window(
         hub.run_once()
 
     assert len(held) == 3
-    assert conn.default_channel._claiming == 0
+    assert conn.transport.consumer.claiming(conn.default_channel) == 0
 
 
+@pytest.mark.usefixtures("busy")
 def test_messages_claimed_for_a_consumer_cancelled_meanwhile_come_back_at_once(
     make_connection: Callable[..., Connection], hub: Hub, store: Store
 ) -> None:
     conn = _registered(make_connection, hub, "ctc", 5)
-    transport = conn.transport
+    consumer = conn.transport.consumer
     got: list[int] = []
-    consumer = Consumer(
+    kombu_consumer = Consumer(
         conn, [Queue("ctc")], callbacks=[lambda b, m: got.append(b)], prefetch_count=10
     )
-    consumer.consume()
+    kombu_consumer.consume()
 
-    transport._deliver_pending()  # starts the claim on the claim thread
+    consumer.deliver_pending()  # sends the claim
     _claim_returned(conn)
-    consumer.cancel()
-    transport._on_claimed()
+    kombu_consumer.cancel()
+    consumer.on_claimed()
 
     assert got == []
     # released, not left leased until the lease ends: claimable right away
     assert len(store.claim("ctc", 10, 1)) == 5
 
 
+@pytest.mark.usefixtures("busy")
 def test_a_wakeup_during_a_short_claim_keeps_the_queue_pending(
     make_connection: Callable[..., Connection], hub: Hub
 ) -> None:
     conn = _registered(make_connection, hub, "ctn", 1)
-    transport = conn.transport
+    consumer = conn.transport.consumer
     got = _consume(conn, "ctn", 10)
 
-    transport._pending.add("ctn")
-    transport._deliver_pending()
+    consumer.pending.add("ctn")
+    consumer.deliver_pending()
     _claim_returned(conn)
     # a NOTIFY for a message committed after the claim's snapshot arrives meanwhile
-    transport._wake(Wakeups(queues={"ctn"}, due=None))
-    transport._on_claimed()
+    consumer.wake(Wakeups(queues={"ctn"}, due=None))
+    consumer.on_claimed()
 
     assert got == [0]
-    assert "ctn" in transport._pending  # claimed again, not left for the safety poll
+    assert "ctn" in consumer.pending  # claimed again, not left for the safety poll
 
 
 def _locked(dsn: str, schema: str) -> psycopg.Connection:
@@ -205,126 +209,132 @@ def _locked(dsn: str, schema: str) -> psycopg.Connection:
     return holder
 
 
+@pytest.mark.usefixtures("busy")
 def test_a_claim_whose_connection_dies_raises_in_the_loop_and_keeps_the_queue_pending(
     make_connection: Callable[..., Connection], hub: Hub, dsn: str, schema: str, db: Any
 ) -> None:
     conn = _registered(make_connection, hub, "cte", 1)
-    transport = conn.transport
+    consumer = conn.transport.consumer
     Consumer(conn, [Queue("cte")], callbacks=[lambda b, m: m.ack()]).consume()
-    claimer = transport._claimer
+    claimer = consumer.claimer
+    assert claimer is not None
     holder = _locked(dsn, schema)
     try:
-        transport._pending.add("cte")
-        transport._deliver_pending()  # the claim waits for the lock, in the database
-        assert "cte" in transport._inflight
-        db.execute("SELECT pg_terminate_backend(%s)", (claimer._pgconn.backend_pid,))
+        consumer.pending.add("cte")
+        consumer.deliver_pending()  # the claim waits for the lock, in the database
+        assert "cte" in consumer.in_flight
+        db.execute("SELECT pg_terminate_backend(%s)", (claimer.backend_pid,))
         _claim_returned(conn)
     finally:
         holder.close()
 
     with pytest.raises(psycopg.OperationalError, match="administrator command"):
         hub.run_until(lambda: False, 5)  # the loop reads the error, then the closed socket
-    assert "cte" in transport._pending  # claimed again after the reconnect
-    assert "cte" not in transport._inflight
-    assert conn.default_channel._claiming == 0
+    assert "cte" in consumer.pending  # claimed again after the reconnect
+    assert "cte" not in consumer.in_flight
+    assert consumer.claiming(conn.default_channel) == 0
 
 
+@pytest.mark.usefixtures("busy")
 def test_a_claim_that_fails_in_the_database_raises_in_the_loop_and_the_next_one_works(
     make_connection: Callable[..., Connection], hub: Hub, dsn: str, schema: str
 ) -> None:
-    conn = _registered(make_connection, hub, "ctq", 2)
-    transport = conn.transport
+    conn = make_connection(options="-c statement_timeout=100", **QUIET)
+    _fill(conn, "ctq", 2)
+    conn.transport.register_with_event_loop(conn.connection, hub)
+    consumer = conn.transport.consumer
     got = _consume(conn, "ctq", 1)
-    claimer = transport._claimer
-    claimer._pgconn.exec_(b"SET statement_timeout = 100")
     holder = _locked(dsn, schema)
     try:
-        transport._pending.add("ctq")
-        transport._deliver_pending()
+        consumer.pending.add("ctq")
+        consumer.deliver_pending()
         _claim_returned(conn)  # the statement timeout's error
         with pytest.raises(psycopg.errors.QueryCanceled):
-            transport._on_claimed()
+            consumer.on_claimed()
     finally:
         holder.close()
-    assert got == [] and transport._inflight == set()
-    assert "ctq" in transport._pending
+    assert got == [] and consumer.in_flight == frozenset()
+    assert "ctq" in consumer.pending
 
     hub.run_until(lambda: got == [0, 1], 10)  # the same connection claims again
     assert got == [0, 1]
 
 
+@pytest.mark.usefixtures("busy")
 def test_a_claim_in_flight_when_the_claimer_closes_is_released_at_once(
     make_connection: Callable[..., Connection], hub: Hub, store: Store
 ) -> None:
     conn = _registered(make_connection, hub, "ctz", 5)
-    transport = conn.transport
+    consumer = conn.transport.consumer
     got = _consume(conn, "ctz", 10, ack=False)
 
-    transport._pending.add("ctz")
-    transport._deliver_pending()
-    assert "ctz" in transport._inflight
-    transport._stop_claimer()  # as when the worker stops or reconnects
+    consumer.pending.add("ctz")
+    consumer.deliver_pending()
+    assert "ctz" in consumer.in_flight
+    conn.transport.unregister_from_event_loop(conn.connection, hub)  # a worker stops
 
     assert got == []
     # the claim was awaited and what it leased released: claimable right away
     assert len(store.claim("ctz", 10, 1)) == 5
 
 
+@pytest.mark.usefixtures("busy")
 def test_claims_without_prepared_statements_deliver_too(
-    make_connection: Callable[..., Connection], hub: Hub
+    make_connection: Callable[..., Connection], hub: Hub, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # prepare_threshold None is the setting behind PgBouncer in transaction mode
     conn = make_connection(prepare_threshold=None, **QUIET)
     _fill(conn, "ctu", 10)
     conn.transport.register_with_event_loop(conn.connection, hub)
-    _busy(conn)
-    how = _spy_claims(conn)
+    how = _spy_claims(conn, monkeypatch)
     got = _consume(conn, "ctu", 4)
 
     hub.run_until(lambda: len(got) == 10, 10)
 
     assert got == list(range(10))
     assert set(how) == {"sent"}
+    claimer = conn.transport.consumer.claimer
+    assert claimer is not None
     with psycopg.connect(conn.transport.store.conninfo) as check:
         # nothing was prepared in the claimer's session
-        pid = conn.transport._claimer._pgconn.backend_pid
+        pid = claimer.backend_pid
         assert check.execute("SELECT pid FROM pg_stat_activity WHERE pid = %s", (pid,)).fetchone()
-    assert conn.transport._claimer._prepared == {}
+    assert claimer.prepared == frozenset()
 
 
+@pytest.mark.usefixtures("busy")
 def test_a_callback_error_mid_batch_releases_the_rest_of_the_batch(
     make_connection: Callable[..., Connection], hub: Hub, store: Store
 ) -> None:
-    conn, got = _failing_on_second(make_connection, hub, "ctx", 10)
-    transport = conn.transport
-    _busy(conn)
-    transport._claimer.submit(conn.default_channel, "ctx", 5)  # one batch of 5
-    transport._inflight.add("ctx")
+    conn, got = _failing_on_second(make_connection, hub, "ctx", 5)
+    consumer = conn.transport.consumer
+    consumer.deliver_pending()  # one batch of 5, sent
     _claim_returned(conn)
 
     with pytest.raises(RuntimeError):
-        transport._on_claimed()
+        consumer.on_claimed()
 
     assert got == [0, 1]
     # 2, 3 and 4 were claimed but never handed out: released, claimable at once
     assert sorted(bytes(row.body) for row in store.claim("ctx", 10, 1)) == [b"2", b"3", b"4"]
-    assert "ctx" not in transport._inflight
+    assert "ctx" not in consumer.in_flight
 
 
 def test_a_callback_error_in_an_idle_consumers_inline_claim_releases_the_rest(
     make_connection: Callable[..., Connection], hub: Hub, store: Store
 ) -> None:
     conn, got = _failing_on_second(make_connection, hub, "ctxi", 5)
-    transport = conn.transport
+    consumer = conn.transport.consumer
 
     with pytest.raises(RuntimeError):
-        transport._deliver_pending()  # idle: claims all 5 in this thread
+        consumer.deliver_pending()  # idle: claims all 5 in this thread
 
     assert got == [0, 1]
-    assert transport._inflight == set()
+    assert consumer.in_flight == frozenset()
     assert sorted(bytes(row.body) for row in store.claim("ctxi", 10, 1)) == [b"2", b"3", b"4"]
 
 
+@pytest.mark.usefixtures("busy")
 def test_drain_events_still_delivers_while_registered_with_a_loop(
     make_connection: Callable[..., Connection], hub: Hub
 ) -> None:
@@ -339,10 +349,11 @@ def test_drain_events_still_delivers_while_registered_with_a_loop(
 
 
 def test_an_idle_consumer_waits_for_its_claim_then_sends_claims_without_waiting(
-    make_connection: Callable[..., Connection], hub: Hub
+    make_connection: Callable[..., Connection], hub: Hub, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    conn = _registered(make_connection, hub, "cti", 0, busy=False)
-    how = _spy_claims(conn)
+    conn = _registered(make_connection, hub, "cti", 0)
+    consumer = conn.transport.consumer
+    how = _spy_claims(conn, monkeypatch)
     got: list[int] = []
     Consumer(
         conn,
@@ -351,7 +362,7 @@ def test_an_idle_consumer_waits_for_its_claim_then_sends_claims_without_waiting(
         prefetch_count=4,
     ).consume()
     # the first tick claims (sent, see below) and finds nothing
-    hub.run_until(lambda: bool(how) and not conn.transport._inflight, 10)
+    hub.run_until(lambda: bool(how) and not consumer.in_flight, 10)
     del how[:]
     _fill(conn, "cti", 30)  # the NOTIFY wakes the idle consumer through its LISTEN socket
 
@@ -364,16 +375,17 @@ def test_an_idle_consumer_waits_for_its_claim_then_sends_claims_without_waiting(
 
 
 def test_a_tick_callback_never_claims_inline_even_for_an_idle_consumer(
-    make_connection: Callable[..., Connection], hub: Hub
+    make_connection: Callable[..., Connection], hub: Hub, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Celery's prefork pool schedules the writes of the tasks handed to it in a tick
     # callback of its own; a task handed over from a tick callback that runs after it
     # waited for the next tick, seconds away (chaos listenkill, 2026-11-24)
-    conn = _registered(make_connection, hub, "ctt", 1, busy=False)
-    how = _spy_claims(conn)
+    conn = _registered(make_connection, hub, "ctt", 1)
+    how = _spy_claims(conn, monkeypatch)
     got = _consume(conn, "ctt", 4)
 
-    conn.transport._on_tick()  # the first tick: its safety poll finds the message
+    for tick in list(hub.on_tick):  # the first tick: its safety poll finds the message
+        tick()
 
     assert got == []  # nothing was handed out from within the tick
     hub.run_until(lambda: got == [0], 10)
@@ -381,65 +393,74 @@ def test_a_tick_callback_never_claims_inline_even_for_an_idle_consumer(
     assert how == ["sent"]
 
 
+@pytest.mark.usefixtures("busy")
 def test_a_claim_session_ended_while_idle_raises_in_the_loop_instead_of_spinning(
-    make_connection: Callable[..., Connection], hub: Hub, db: Any
+    make_connection: Callable[..., Connection], hub: Hub, db: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     conn = _registered(make_connection, hub, "cts", 0)
-    transport = conn.transport
+    consumer = conn.transport.consumer
     Consumer(conn, [Queue("cts")], callbacks=[lambda b, m: m.ack()]).consume()
-    hub.run_until(lambda: not transport._inflight and "cts" not in transport._pending, 5)
-    claimer = transport._claimer
-    calls = []
-    on_claimed = transport._on_claimed
+    hub.run_until(lambda: not consumer.in_flight and "cts" not in consumer.pending, 5)
+    claimer = consumer.claimer
+    assert claimer is not None
+    reads: list[int] = []
+    results = claimer.results
 
-    def counting(fileno: int | None = None) -> None:
-        calls.append(fileno)
-        on_claimed(fileno)
+    def counting() -> Any:
+        reads.append(1)
+        return results()
 
-    hub.remove_reader(claimer.fileno())
-    hub.add_reader(claimer.fileno(), counting, claimer.fileno())
-    db.execute("SELECT pg_terminate_backend(%s)", (claimer._pgconn.backend_pid,))
+    monkeypatch.setattr(claimer, "results", counting)
+    db.execute("SELECT pg_terminate_backend(%s)", (claimer.backend_pid,))
     _claim_returned(conn)  # readable: the server's goodbye
 
     with pytest.raises(psycopg.OperationalError):
         hub.run_until(lambda: False, 5)
-    assert len(calls) <= 2  # the first read raised (or the second, after the error message)
+    assert 1 <= len(reads) <= 2  # the first read raised (or the second, after the error)
 
 
+class _ClientClock:
+    """The consumer's clock, moved forward on demand (the server's is untouched)."""
+
+    def __init__(self) -> None:
+        self.ahead = 0.0
+
+    def __call__(self) -> float:
+        return time.monotonic() + self.ahead
+
+
+@pytest.mark.usefixtures("busy")
 def test_only_time_in_the_server_counts_a_claim_as_slow_not_a_busy_loop(
     make_connection: Callable[..., Connection], hub: Hub, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # a slow claim (a long walk over acked rows at the head) makes the consumer resume
     # after its last message for a while; a loop that was busy when the answer came
     # must not, or priorities and requeues would wait for nothing
-    from kombu_pgqueue import transport as pgq
-
-    monkeypatch.setattr(pgq, "SLOW_CLAIM_SECONDS", 0.1)
+    monkeypatch.setattr(_consumer, "SLOW_CLAIM_SECONDS", 0.1)
     conn = _registered(make_connection, hub, "ctslow", 4)
-    transport = conn.transport
-    channel = conn.default_channel
-    got = _consume(conn, "ctslow", 1, ack=False)
+    consumer = conn.transport.consumer
+    clock = consumer.clock = _ClientClock()
+    held: list[Any] = []
+    Consumer(
+        conn, [Queue("ctslow")], callbacks=[lambda b, m: held.append(m)], prefetch_count=1
+    ).consume()
 
-    transport._pending.add("ctslow")
-    transport._deliver_pending()
+    consumer.pending.add("ctslow")
+    consumer.deliver_pending()
     _claim_returned(conn)  # the answer waits in the socket...
-    clock = time.perf_counter
-    # ...while the loop is busy elsewhere for 0.3 s by the client's clock
-    monkeypatch.setattr(time, "perf_counter", lambda: clock() + 0.3)
-    transport._on_claimed()
-    monkeypatch.setattr(time, "perf_counter", clock)
-    assert got == [0]
-    assert "ctslow" not in channel._resume
+    clock.ahead += 0.3  # ...while the loop is busy elsewhere for 0.3 s
+    consumer.on_claimed()
+    assert [m.payload for m in held] == [0]
+    assert consumer.resume_position("ctslow") is None
 
     # the same claim with any time in the server counting as slow: it resumes
-    monkeypatch.setattr(pgq, "SLOW_CLAIM_SECONDS", 0.0)
-    got.clear()
-    channel.qos._delivered.clear()  # the window opens again without an ack
-    channel.qos._dirty.clear()
-    transport._pending.add("ctslow")
-    transport._deliver_pending()
+    monkeypatch.setattr(_consumer, "SLOW_CLAIM_SECONDS", 0.0)
+    held.pop().ack()
+    consumer.pending.add("ctslow")
+    consumer.deliver_pending()
     _claim_returned(conn)
-    transport._on_claimed()
-    assert got == [1]
-    assert channel._resume["ctslow"][:2] == (0, channel._resume["ctslow"][1])
-    assert channel._resume["ctslow"][2] > time.monotonic()
+    consumer.on_claimed()
+    assert [m.payload for m in held] == [1]
+    position = consumer.resume_position("ctslow")
+    assert position is not None and position[1] == held[0].delivery_info["pgqueue_id"]
+    assert position[2] > clock()

@@ -153,25 +153,27 @@ def test_basic_qos_prefetch_limits_the_batch(connection: Connection) -> None:
 def test_batch_limit_waits_until_at_most_a_quarter_of_the_window_is_held(
     connection: Connection,
 ) -> None:
-    consumer, got = _backlog(connection, "quarter", 12, prefetch=8)
+    consumer = connection.transport.consumer
+    now = time.monotonic()
+    consumer.clock = lambda: now  # the claims below happen "just now"
+    kombu_consumer, got = _backlog(connection, "quarter", 12, prefetch=8)
     connection.drain_events(timeout=5)
     assert len(got) == 8
     channel = connection.default_channel
 
     for message in got[:5]:
         message.ack()
-    channel._last_claim = time.monotonic()  # a claim just now: batching applies
-    assert channel.batch_limit() == 0  # 3 of 8 held: more than a quarter
+    assert consumer.batch_limit(channel) == 0  # 3 of 8 held: more than a quarter
+    consumer.clock = lambda: now + 1  # the last claim was long ago: no more waiting
+    assert consumer.batch_limit(channel) == 5
+    consumer.clock = lambda: now
     got[5].ack()
-    assert channel.batch_limit() == 6  # 2 of 8 held: claim the 6 free slots at once
-    channel._last_claim = time.monotonic() - 1  # a claim long ago: no more waiting
-    assert channel.batch_limit() == 6
+    assert consumer.batch_limit(channel) == 6  # 2 of 8 held: claim the 6 free slots at once
     got[6].ack()
     channel.basic_qos(prefetch_count=2)
-    channel._last_claim = time.monotonic()
-    assert channel.batch_limit() == 1  # one held of a window of 2: never waits for it
+    assert consumer.batch_limit(channel) == 1  # one held of a window of 2: never waits for it
     got[7].ack()
-    consumer.cancel()
+    kombu_consumer.cancel()
 
 
 def test_basic_ack_deletes_the_message_for_good(connection: Connection, later: Later) -> None:

@@ -1,4 +1,4 @@
-"""Claims that resume after the consumer's last message (see Channel._claim).
+"""Claims that resume after the consumer's last message (see kombu_pgqueue._consumer).
 
 With an old snapshot held elsewhere, acked rows at the head of a queue cannot be
 vacuumed and a claim from the head steps over all of them; a consumer whose claim was
@@ -16,7 +16,7 @@ import pytest
 from kombu import Connection, Producer, Queue
 from psycopg import sql
 
-from kombu_pgqueue import transport
+from kombu_pgqueue import _consumer
 from kombu_pgqueue._pool import SESSION_SETTINGS
 from kombu_pgqueue._store import Store, new_lease
 
@@ -44,8 +44,11 @@ def test_store_claim_after_takes_only_later_ids_of_that_priority(
 def test_a_resuming_consumer_still_delivers_everything_once_with_a_snapshot_held(
     connection: Connection, dsn: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(transport, "SLOW_CLAIM_SECONDS", 0.0)  # every claim counts as slow
-    monkeypatch.setattr(transport, "RESUME_SECONDS", 3600.0)  # ends only when the test says
+    monkeypatch.setattr(_consumer, "SLOW_CLAIM_SECONDS", 0.0)  # every claim counts as slow
+    monkeypatch.setattr(_consumer, "RESUME_SECONDS", 3600.0)  # ends only when the test says
+    consumer = connection.transport.consumer
+    ahead = [0.0]
+    consumer.clock = lambda: time.monotonic() + ahead[0]
     _fill(connection, "snap", list(range(40)))
     with psycopg.connect(dsn) as holder:
         holder.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
@@ -63,10 +66,11 @@ def test_a_resuming_consumer_still_delivers_everything_once_with_a_snapshot_held
                 # the period now instead of waiting for it
                 assert caught_up_at is None, "still nothing after the period ended"
                 caught_up_at = time.monotonic()
-                priority, last, _ = channel._resume["snap"]
-                channel._resume["snap"] = (priority, last, 0.0)
+                position = consumer.resume_position("snap")
+                assert position is not None
+                ahead[0] += position[2] - consumer.clock() + 1  # the consumer's clock
                 continue
-            assert channel._resume.get("snap") is not None or not got or requeued_at
+            assert consumer.resume_position("snap") is not None or not got or requeued_at
             if message.payload == 5 and requeued_at is None:
                 message.requeue()  # an older id becomes ready behind the resume position
                 requeued_at = time.monotonic()

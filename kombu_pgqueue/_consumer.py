@@ -1,0 +1,483 @@
+"""The consumer: one per transport, the one owner of everything about consuming.
+
+It holds the subscribed queues and the channel (a :class:`~._ledger.Sink`) that
+consumes each, the queues with news (pending wakeups), the claims in flight, batch
+sizes, where each queue resumes claiming, the safety-poll, sweep and due times, and
+the ledger of held deliveries, which the lease keeper renews and acks settle. It
+delivers through one callable (Kombu's ``Transport._deliver``); the transport calls
+:meth:`drain` (synchronous consuming) or registers it with an event loop
+(:class:`~._loop.LoopDriver`), and passes acks, rejects and restores by tag.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from . import _counters, codec
+from ._acks import AckBatcher
+from ._claimer import Claimer
+from ._leases import LeaseKeeper
+from ._ledger import Ledger, Sink
+from ._listener import Listener, Wakeups
+from ._options import Options
+from ._store import Store, new_lease
+from .records import ClaimRequest, ClaimResult
+
+logger = logging.getLogger(__name__)
+
+Deliver = Callable[[dict[str, Any], str], None]
+
+#: a batch size for consumers that set no prefetch limit
+UNLIMITED_BATCH = 100
+
+#: seconds a consumer that still holds messages waits for three quarters of its window
+#: to free (see Consumer.batch_limit)
+CLAIM_BATCH_WAIT = 0.05
+
+#: a consumer that delivered nothing for this long claims in the event loop's own
+#: thread, waiting for the answer: the loop has nothing else to do meanwhile, and the
+#: hops to a claim thread and back (a thread wakeup, then a pipe write and another loop
+#: wakeup) came to about a tenth of the time from apply_async to task start on an idle
+#: prefork worker
+IDLE_INLINE_SECONDS = 0.02
+
+#: a claim from the head that took longer than this in the server (it stepped over many
+#: acked rows that VACUUM may not remove yet, e.g. while an old snapshot is held) makes
+#: the consumer resume after its last message for RESUME_SECONDS, or 20 times that
+#: claim's duration if longer; then it claims from the head again, which also picks up
+#: requeued messages, lease expiries and higher priorities (they wait that long at most,
+#: plus a safety poll if nothing else wakes the consumer, and only while the head is
+#: slow). The server's time, not the client's: an asynchronous claim's answer may wait
+#: in its socket while the event loop is busy, and that says nothing about the head.
+SLOW_CLAIM_SECONDS = 0.005
+RESUME_SECONDS = 1.0
+
+
+@dataclass(slots=True)
+class _Subscription:
+    sink: Sink
+    no_ack: bool
+
+
+@dataclass(slots=True)
+class _SinkState:
+    #: messages that claims in flight may still bring
+    claiming: int = 0
+    last_claim: float = 0.0
+
+
+class Consumer:
+    def __init__(self, store: Store, options: Options, deliver: Deliver) -> None:
+        self.store = store
+        self.options = options
+        self._deliver = deliver
+        self.ledger = Ledger()
+        self._keeper = LeaseKeeper(store, self.ledger.held, options.renewal_interval)
+        self.acks: AckBatcher | None = AckBatcher(store) if options.batch_acks else None
+        self.listener: Listener | None = None
+        self.claimer: Claimer | None = None
+        self._subs: dict[str, _Subscription] = {}
+        self._sinks: dict[int, _SinkState] = {}
+        #: queues with news, not yet claimed from
+        self.pending: set[str] = set()
+        #: queues with a claim in flight (and until when it resumes), those woken meanwhile
+        self._inflight: dict[str, float | None] = {}
+        self._renotified: set[str] = set()
+        #: queue -> (priority, id, until): where claims resume, see _claimed
+        self._resume: dict[str, tuple[int, int, float]] = {}
+        self._last_delivery = 0.0
+        self.next_due: float | None = None
+        self.next_poll = 0.0
+        self._next_sweep = 0.0
+        self.closed = False
+        #: the clock of batching, resuming and idleness (tests move it)
+        self.clock: Callable[[], float] = time.monotonic
+
+    def reopen(self) -> None:
+        """The transport connected again (after a close): ack in batches again."""
+        self.closed = False
+
+    # -- subscriptions ---------------------------------------------------------------
+
+    def subscribe(self, queue: str, sink: Sink, no_ack: bool) -> None:
+        self._subs[queue] = _Subscription(sink, no_ack)
+        self._sinks.setdefault(id(sink), _SinkState())
+        self.pending.add(queue)
+        self.ensure_listener()
+        self._keeper.start()
+
+    def unsubscribe(self, queue: str, sink: Sink) -> None:
+        sub = self._subs.get(queue)
+        if sub is not None and sub.sink is sink:
+            del self._subs[queue]
+        self.pending.discard(queue)
+
+    @property
+    def consuming(self) -> bool:
+        return bool(self._subs)
+
+    @property
+    def in_flight(self) -> frozenset[str]:
+        """Queues with a claim sent and not yet answered."""
+        return frozenset(self._inflight)
+
+    def resume_position(self, queue: str) -> tuple[int, int, float] | None:
+        """(priority, id, until): claims from ``queue`` start after that message until
+        then (by :attr:`clock`); None: from the head."""
+        return self._resume.get(queue)
+
+    def claiming(self, sink: Sink) -> int:
+        """How many messages claims in flight may still bring ``sink``."""
+        state = self._sinks.get(id(sink))
+        return 0 if state is None else state.claiming
+
+    def use_store(self, store: Store) -> None:
+        """Another host after a failover: everything goes to its store from now on."""
+        self.store = self._keeper.store = store
+        if self.acks is not None:
+            self.acks.store = store
+
+    def ensure_listener(self) -> Listener | None:
+        if not self.options.listen:
+            return None
+        if self.listener is None:
+            self.listener = Listener(self.store.conninfo, self.options)
+        self.listener.open()
+        return self.listener
+
+    # -- held deliveries: acks, rejects, restores ------------------------------------
+
+    def hold(self, tag: str) -> None:
+        """A delivery reached its channel unacked (Kombu's QoS.append)."""
+        self.ledger.hold(tag)
+        self._keeper.start()
+
+    def ack(self, tag: str) -> None:
+        message_id, lease = self.ledger.settle(tag)
+        _counters.add("acked")
+        if self.acks is not None and not self.closed:
+            self.acks.add(message_id, lease)
+            return
+        # closed by a reconnect (the database restarted), but a task that finishes
+        # afterwards still acks: send it directly, and if the database cannot take it,
+        # the lease runs out and the message runs again (at-least-once), no crash
+        try:
+            done = self.store.ack(message_id, lease)
+        except Exception as exc:
+            logger.warning(
+                "pgqueue: ack of message %s failed (%r); it runs again when its lease ends",
+                message_id,
+                exc,
+            )
+            return
+        if not done:
+            logger.warning(
+                "pgqueue: ack of message %s came after its lease ended; it may run again",
+                message_id,
+            )
+
+    def reject(self, tag: str, requeue: bool) -> None:
+        message_id, lease = self.ledger.settle(tag)
+        if requeue:
+            self.store.requeue(message_id, lease)
+            _counters.add("requeued")
+        else:
+            self.store.bury(message_id, lease, "rejected")
+            _counters.add("rejected")
+
+    def restore(self, tags: Iterable[str]) -> None:
+        """Hand back held deliveries at once: they are delivered again immediately."""
+        self.flush_acks()
+        self.release(self.ledger.settle_all(tags))
+
+    def release(self, held: list[tuple[int, int]]) -> None:
+        if not held:
+            return
+        try:
+            self.store.release([i for i, _ in held], [lease for _, lease in held])
+        except Exception as exc:  # best effort: the leases lapse by themselves
+            logger.warning(
+                "pgqueue: could not release %d messages (%r); they return when their leases end",
+                len(held),
+                exc,
+            )
+
+    def flush_acks(self) -> None:
+        """Send pending acks now, so what is read next reflects them."""
+        if self.acks is not None:
+            self.acks.flush()
+
+    # -- claiming ----------------------------------------------------------------------
+
+    def batch_limit(self, sink: Sink) -> int:
+        """How many messages ``sink`` should claim now (0: not yet).
+
+        Within the prefetch window, but not one slot at a time: while the channel
+        still holds more than a quarter of its window (and more than one message), it
+        waits (CLAIM_BATCH_WAIT at most), so a worker refills in batches instead of
+        paying a claim per task. A quarter, not half: a Celery prefork -c 2 worker
+        (window 8) then claims 6 at a time instead of 4, and its main process, which
+        bounds the drain rate, spent 269 instead of 318 us per no-op task
+        (benchmarks/probes/drain_cpu.py); what it still holds keeps the pool busy
+        meanwhile.
+        """
+        room = sink.room()
+        if room is None:
+            return UNLIMITED_BATCH
+        state = self._sinks.setdefault(id(sink), _SinkState())
+        room -= state.claiming
+        if room <= 0:
+            return 0
+        window = sink.window()
+        holding = window - room
+        recent = self.clock() - state.last_claim < CLAIM_BATCH_WAIT
+        if holding > max(1, window // 4) and recent:
+            return 0
+        return room
+
+    def request(self, queue: str, sink: Sink, limit: int) -> ClaimRequest:
+        """How to claim from ``queue`` now: from its head, or after its last message."""
+        now = self._sinks.setdefault(id(sink), _SinkState()).last_claim = self.clock()
+        resume = self._resume.get(queue)
+        if resume is not None and now >= resume[2]:
+            resume = None
+        after = None if resume is None else resume[:2]
+        self._inflight[queue] = None if resume is None else resume[2]
+        return self.store.claim_request(queue, limit, new_lease(), after=after)
+
+    def claimed(self, result: ClaimResult) -> list[dict[str, Any]]:
+        """Kombu's payloads of what a claim brought; note where the queue resumes."""
+        request, rows = result.request, result.rows
+        queue = request.queue
+        until = self._inflight.pop(queue, None)
+        if request.after is None:
+            if rows and result.took > SLOW_CLAIM_SECONDS:
+                # the slower the head, the longer until the next look at it (at most
+                # about 5 % of the time goes to claims from the head)
+                until = self.clock() + max(RESUME_SECONDS, 20 * result.took)
+                self._resume[queue] = (rows[-1].priority, rows[-1].id, until)
+            else:
+                self._resume.pop(queue, None)
+        elif rows and until is not None:
+            self._resume[queue] = (rows[-1].priority, rows[-1].id, until)
+        # A short range means this consumer caught up with the producers; it does not go
+        # back to the head for the rest (that would cost a slow head walk per wakeup, as
+        # often as messages arrive): requeued and older messages wait for the period.
+        if rows:
+            _counters.add("claimed", queue, len(rows))
+            _counters.add("redelivered", queue, sum(row.attempts > 1 for row in rows))
+        return [codec.payload(row, queue, request.lease) for row in rows]
+
+    def fetch(self, queue: str, limit: int, no_ack: bool, sink: Sink) -> list[dict[str, Any]]:
+        """Claim up to ``limit`` messages of ``queue`` here, waiting for the answer."""
+        # no flush of pending acks first: an acked message still holds its lease until
+        # the ack thread deletes it, so a claim cannot hand it out meanwhile
+        if no_ack:
+            self._sinks.setdefault(id(sink), _SinkState()).last_claim = self.clock()
+            return [codec.payload(row, queue, 0) for row in self.store.take(queue, limit)]
+        request = self.request(queue, sink, limit)
+        try:
+            result = self.store.run_claim(request)
+        except BaseException:
+            self._inflight.pop(queue, None)
+            raise
+        return self.claimed(result)
+
+    def deliver_pending(self, *, inline: bool = False, in_tick: bool = False) -> int:
+        """Claim from every queue with news, within each channel's prefetch window.
+
+        With a claimer (an event loop with asynchronous claims), this only sends the
+        claims (see :meth:`on_claimed`), except for no-ack queues (a take deletes what
+        it hands out, so it must be delivered at once), when ``inline``, and when
+        nothing was delivered for IDLE_INLINE_SECONDS (the loop is idle: the claim is
+        quicker here) unless called from the loop's tick callbacks (``in_tick``):
+        Celery's prefork pool schedules the writes of the tasks handed to it in a tick
+        callback of its own, and a task handed over in a tick callback that runs after
+        it waits for the next tick, which comes after a poll that can sleep until the
+        next timer (2 to 5 s in the chaos listenkill scenario). The claim's answer comes
+        back on a readable socket instead, and tasks delivered from a reader are
+        written at once.
+        """
+        delivered = 0
+        for queue in list(self.pending):
+            sub = self._subs.get(queue)
+            if sub is None:
+                self.pending.discard(queue)
+                continue
+            if queue in self._inflight:
+                continue
+            limit = self.batch_limit(sub.sink)
+            if not limit:
+                continue  # stays pending until the window opens
+            if (
+                self.claimer is not None
+                and not inline
+                and not sub.no_ack
+                and (in_tick or not self._idle(sub.sink))
+            ):
+                self.claimer.submit(self.request(queue, sub.sink, limit))
+                self._sinks[id(sub.sink)].claiming += limit
+                continue
+            payloads = self.fetch(queue, limit, sub.no_ack, sub.sink)
+            error, rest = self._hand_out(queue, limit, payloads)
+            if error is not None:
+                self._release_payloads(rest)
+                raise error
+            delivered += len(payloads)
+        return delivered
+
+    def on_claimed(self) -> None:
+        """Deliver what the claims in flight brought (their socket is readable)."""
+        if self.claimer is None:
+            return
+        results = self.claimer.results()
+        for result in results:
+            sub = self._subs.get(result.request.queue)
+            state = self._sinks.get(id(sub.sink)) if sub is not None else None
+            if state is not None:
+                state.claiming = max(state.claiming - result.request.limit, 0)
+        error: BaseException | None = None
+        undelivered: list[dict[str, Any]] = []
+        for result in results:
+            queue, limit = result.request.queue, result.request.limit
+            renotified = queue in self._renotified
+            self._renotified.discard(queue)
+            if result.error is not None:
+                self._inflight.pop(queue, None)
+                error = error or result.error  # the queue stays pending: claimed again
+                continue
+            payloads = self.claimed(result)
+            if error is not None or queue not in self._subs:
+                undelivered.extend(payloads)  # cancelled meanwhile: back at once
+                continue
+            error, rest = self._hand_out(queue, limit, payloads, renotified)
+            undelivered.extend(rest)  # and the later batches, as error is set now
+        self._release_payloads(undelivered)
+        if error is not None:
+            raise error
+        self.deliver_pending()
+
+    def _idle(self, sink: Sink) -> bool:
+        """Nothing claimed, held or delivered lately: claim in the loop's thread."""
+        return (
+            not self._inflight
+            and sink.holding() == 0
+            and self.clock() - self._last_delivery >= IDLE_INLINE_SECONDS
+        )
+
+    def _hand_out(
+        self, queue: str, limit: int, payloads: list[dict[str, Any]], renotified: bool = False
+    ) -> tuple[BaseException | None, list[dict[str, Any]]]:
+        """Deliver one claim's messages; return a callback's error and what it left over.
+
+        What was not handed out when a callback raised must be released by the caller
+        at once, instead of staying leased, unseen and unrenewed, until the lease ends.
+        """
+        if len(payloads) < limit and not renotified:
+            self.pending.discard(queue)
+        if payloads:
+            self._last_delivery = self.clock()
+        for n, payload in enumerate(payloads):
+            try:
+                self._deliver(payload, queue)
+            except BaseException as exc:
+                return exc, payloads[n + 1 :]
+        return None, []
+
+    def _release_payloads(self, payloads: list[dict[str, Any]]) -> None:
+        tags = [payload["properties"]["delivery_tag"] for payload in payloads]
+        self.release(self.ledger.settle_all(tags))  # no-ack ones are gone already
+
+    def stop_claimer(self) -> None:
+        claimer, self.claimer = self.claimer, None
+        if claimer is not None:
+            left = claimer.close()
+            self.release([(row.id, r.request.lease) for r in left for row in r.rows])
+        for state in self._sinks.values():
+            state.claiming = 0
+        self._inflight.clear()
+        self._renotified.clear()
+
+    # -- wakeups and the safety poll -------------------------------------------------------
+
+    def wake(self, wake: Wakeups) -> float | None:
+        """Note what notifications said; return a due time that is new, if any."""
+        woken = [q for q in wake.queues if q in self._subs]
+        self.pending.update(woken)
+        self._renotified.update(q for q in woken if q in self._inflight)
+        return self._note_due(wake.due)
+
+    def poll(self) -> float | None:
+        """The safety poll: promote due delayed messages and find ready queues.
+
+        A queue already pending is claimed from soon anyway: looking for ready messages
+        in it again would only cost a walk over its head. Returns a new due time.
+        """
+        owned = list(self._subs)
+        ready, next_due = self.store.poll(owned, check=[q for q in owned if q not in self.pending])
+        self.pending.update(ready)
+        # a claim in flight may have started before these became ready
+        self._renotified.update(q for q in ready if q in self._inflight)
+        self.next_due = None
+        now = time.monotonic()
+        self.next_poll = now + self.options.polling_interval
+        if now >= self._next_sweep:
+            self._next_sweep = now + self.options.sweep_interval
+            self.store.sweep()
+        return self._note_due(next_due)
+
+    def _note_due(self, due: float | None) -> float | None:
+        if due is None or (self.next_due is not None and self.next_due <= due):
+            return None
+        self.next_due = due
+        return due
+
+    # -- synchronous consuming -----------------------------------------------------------
+
+    def drain(self, timeout: float | None) -> None:
+        """Deliver at least one message, or raise TimeoutError after ``timeout``."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        listener = self.ensure_listener() if self._subs else None
+        while True:
+            if time.monotonic() >= self.next_poll and self._subs:
+                self.poll()
+            if self.deliver_pending(inline=True):
+                return
+            now = time.monotonic()
+            waits = [self.next_poll - now]
+            if deadline is not None:
+                waits.append(deadline - now)
+            if self.next_due is not None:
+                waits.append(self.next_due - time.time())
+            if self.pending:
+                waits.append(CLAIM_BATCH_WAIT)
+            wait = max(min(waits), 0.0)
+            if deadline is not None and now >= deadline:
+                raise TimeoutError()
+            if self.next_due is not None and self.next_due <= time.time():
+                self.next_due = None
+                self.next_poll = 0.0
+                continue
+            if listener is not None:
+                self.wake(listener.wait(wait))
+            else:
+                time.sleep(wait)
+
+    # -- shutdown --------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop acking, renewing and listening; what is held returns when leases end
+        (Kombu's channels restore their unacked messages before this)."""
+        self.closed = True
+        if self.acks is not None:
+            self.acks.stop()
+        self._keeper.stop()
+        self.stop_claimer()
+        if self.listener is not None:
+            self.listener.close()
+            self.listener = None
+        self.pending.clear()

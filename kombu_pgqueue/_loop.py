@@ -1,0 +1,124 @@
+"""A consumer inside an event loop (Celery's worker): readers, tick callback, timers.
+
+The LISTEN socket and the claimer's socket are readers of the loop; the loop's tick
+callback claims what is pending; timers run the safety poll, wake the consumer when a
+delayed message falls due, and retry a claim that was put off to fill a batch.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from ._claimer import Claimer
+from ._consumer import CLAIM_BATCH_WAIT, Consumer
+
+
+def _cancel(timer: Any) -> None:
+    if timer is not None:
+        try:
+            timer.cancel()
+        except Exception:  # noqa: S110 - a timer the loop already dropped
+            pass
+
+
+def _remove_reader(loop: Any, fd: int | None) -> None:
+    if fd is not None:
+        try:
+            loop.remove_reader(fd)
+        except (KeyError, OSError, ValueError):
+            pass
+
+
+class LoopDriver:
+    """Drives one consumer from one event loop (kombu.asynchronous.Hub) until stopped."""
+
+    def __init__(self, consumer: Consumer, loop: Any) -> None:
+        self.consumer = consumer
+        self.loop = loop
+        self._listen_fd: int | None = None
+        self._claim_fd: int | None = None
+        self._timers: list[Any] = []
+        self._due_timer: Any = None
+        self._retry_timer: Any = None
+        self._retry_armed = False
+
+    def start(self) -> None:
+        consumer, loop = self.consumer, self.loop
+        listener = consumer.ensure_listener()
+        if listener is not None:
+            self._listen_fd = listener.fileno()
+            loop.add_reader(self._listen_fd, self._on_notified, self._listen_fd)
+        if consumer.options.async_claims:
+            consumer.claimer = Claimer(consumer.store)
+            self._claim_fd = consumer.claimer.fileno()
+            loop.add_reader(self._claim_fd, self._on_claimed, self._claim_fd)
+        loop.on_tick.add(self._on_tick)
+        self._timers.append(loop.call_repeatedly(consumer.options.polling_interval, self._poll))
+        consumer.next_poll = 0.0
+
+    def stop(self) -> None:
+        loop = self.loop
+        _remove_reader(loop, self._listen_fd)
+        _remove_reader(loop, self._claim_fd)
+        self._listen_fd = self._claim_fd = None
+        self.consumer.stop_claimer()
+        loop.on_tick.discard(self._on_tick)
+        for timer in (*self._timers, self._due_timer, self._retry_timer):
+            _cancel(timer)
+        self._timers.clear()
+        self._due_timer = self._retry_timer = None
+        self.consumer.next_due = None
+        self._retry_armed = False
+
+    # -- what the loop calls ---------------------------------------------------------------
+
+    def _on_notified(self, fileno: int) -> None:
+        listener = self.consumer.listener
+        if listener is None:
+            return
+        self._schedule_due(self.consumer.wake(listener.drain()))
+        self._deliver()
+
+    def _on_claimed(self, fileno: int) -> None:
+        self.consumer.on_claimed()
+        self._arm_retry()
+
+    def _on_tick(self) -> None:
+        consumer = self.consumer
+        if consumer.next_poll == 0.0 and consumer.consuming:
+            self._poll()
+        if consumer.pending:
+            self._deliver(in_tick=True)
+
+    def _on_due(self) -> None:
+        self.consumer.next_due = None
+        self._poll()
+        self._deliver()
+
+    def _on_retry(self) -> None:
+        self._retry_armed = False
+        if self.consumer.pending:
+            self._deliver()
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _poll(self) -> None:
+        self._schedule_due(self.consumer.poll())
+
+    def _deliver(self, in_tick: bool = False) -> None:
+        self.consumer.deliver_pending(in_tick=in_tick)
+        self._arm_retry()
+
+    def _arm_retry(self) -> None:
+        if self.consumer.pending and not self._retry_armed:
+            # a claim put off for batching must still happen soon
+            self._retry_armed = True
+            self._retry_timer = self.loop.call_later(CLAIM_BATCH_WAIT, self._on_retry)
+
+    def _schedule_due(self, due: float | None) -> None:
+        if due is None:
+            return
+        delay = max(due - time.time(), 0.0) + 0.001
+        _cancel(self._due_timer)
+        self._due_timer = self.loop.call_later(delay, self._on_due)
