@@ -27,7 +27,7 @@ class _Parser(argparse.ArgumentParser):
 def main(argv: list[str] | None = None) -> int:
     # --dsn and --schema go before or after the command: `migrate --dsn ...` as the
     # error messages print it, and `--dsn ... migrate` as well
-    common = argparse.ArgumentParser(add_help=False)
+    common = _Parser(add_help=False)
     common.add_argument(
         "--dsn",
         default=argparse.SUPPRESS,

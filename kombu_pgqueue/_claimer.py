@@ -205,7 +205,15 @@ class Claimer:
                 f"pgqueue: the claim statement returned columns of type OIDs {types}, "
                 f"expected {_CLAIM_COLUMN_TYPES}"
             )
-        get = result.get_value
+
+        def get(row: int, column: int) -> bytes:
+            # the claim's NOT NULL columns; the content type and encoding may be NULL
+            value = result.get_value(row, column)
+            return b"" if value is None else value
+
+        def get_or_none(row: int, column: int) -> bytes | None:
+            return result.get_value(row, column)
+
         n = result.ntuples
         if n:
             self._took = _FLOAT8.unpack(get(n - 1, 8))[0]
@@ -215,8 +223,8 @@ class Claimer:
                 _int(get(i, 1)),
                 _int(get(i, 2)),
                 get(i, 3),
-                _str(get(i, 4)),
-                _str(get(i, 5)),
+                _str(get_or_none(i, 4)),
+                _str(get_or_none(i, 5)),
                 get(i, 6).decode(),
                 get(i, 7).decode(),
             )

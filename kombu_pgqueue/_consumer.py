@@ -3,9 +3,9 @@
 It holds the subscribed queues and the channel (a :class:`~._ledger.Sink`) that
 consumes each, the queues with news (pending wakeups), the claims in flight, batch
 sizes, where each queue resumes claiming, the safety-poll, sweep and due times, and
-the ledger of held deliveries, which the lease keeper renews and acks settle. It
+the deliveries it holds (:class:`~._ledger.Held`: renewed, acked, rejected). It
 delivers through one callable (Kombu's ``Transport._deliver``); the transport calls
-:meth:`drain` (synchronous consuming) or registers it with an event loop
+``_loop.drain`` (synchronous consuming) or registers it with an event loop
 (:class:`~._loop.LoopDriver`), and passes acks, rejects and restores by tag.
 """
 
@@ -13,15 +13,13 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from . import _counters, codec
-from ._acks import AckBatcher
 from ._claimer import Claimer
-from ._leases import LeaseKeeper
-from ._ledger import Ledger, Sink
+from ._ledger import Held, Sink
 from ._listener import Listener, Wakeups
 from ._options import Options
 from ._store import Store, new_lease
@@ -75,9 +73,8 @@ class Consumer:
         self.store = store
         self.options = options
         self._deliver = deliver
-        self.ledger = Ledger()
-        self._keeper = LeaseKeeper(store, self.ledger.held, options.renewal_interval)
-        self.acks: AckBatcher | None = AckBatcher(store) if options.batch_acks else None
+        #: the deliveries held unacked: acks, rejects, restores and lease renewals
+        self.held = Held(store, options)
         self.listener: Listener | None = None
         self.claimer: Claimer | None = None
         self._subs: dict[str, _Subscription] = {}
@@ -99,7 +96,7 @@ class Consumer:
 
     def reopen(self) -> None:
         """The transport connected again (after a close): ack in batches again."""
-        self.closed = False
+        self.closed = self.held.closed = False
 
     # -- subscriptions ---------------------------------------------------------------
 
@@ -108,7 +105,7 @@ class Consumer:
         self._sinks.setdefault(id(sink), _SinkState())
         self.pending.add(queue)
         self.ensure_listener()
-        self._keeper.start()
+        self.held.keep_leases()
 
     def unsubscribe(self, queue: str, sink: Sink) -> None:
         sub = self._subs.get(queue)
@@ -137,9 +134,8 @@ class Consumer:
 
     def use_store(self, store: Store) -> None:
         """Another host after a failover: everything goes to its store from now on."""
-        self.store = self._keeper.store = store
-        if self.acks is not None:
-            self.acks.store = store
+        self.store = store
+        self.held.use_store(store)
 
     def ensure_listener(self) -> Listener | None:
         if not self.options.listen:
@@ -148,68 +144,6 @@ class Consumer:
             self.listener = Listener(self.store.conninfo, self.options)
         self.listener.open()
         return self.listener
-
-    # -- held deliveries: acks, rejects, restores ------------------------------------
-
-    def hold(self, tag: str) -> None:
-        """A delivery reached its channel unacked (Kombu's QoS.append)."""
-        self.ledger.hold(tag)
-        self._keeper.start()
-
-    def ack(self, tag: str) -> None:
-        message_id, lease = self.ledger.settle(tag)
-        _counters.add("acked")
-        if self.acks is not None and not self.closed:
-            self.acks.add(message_id, lease)
-            return
-        # closed by a reconnect (the database restarted), but a task that finishes
-        # afterwards still acks: send it directly, and if the database cannot take it,
-        # the lease runs out and the message runs again (at-least-once), no crash
-        try:
-            done = self.store.ack(message_id, lease)
-        except Exception as exc:
-            logger.warning(
-                "pgqueue: ack of message %s failed (%r); it runs again when its lease ends",
-                message_id,
-                exc,
-            )
-            return
-        if not done:
-            logger.warning(
-                "pgqueue: ack of message %s came after its lease ended; it may run again",
-                message_id,
-            )
-
-    def reject(self, tag: str, requeue: bool) -> None:
-        message_id, lease = self.ledger.settle(tag)
-        if requeue:
-            self.store.requeue(message_id, lease)
-            _counters.add("requeued")
-        else:
-            self.store.bury(message_id, lease, "rejected")
-            _counters.add("rejected")
-
-    def restore(self, tags: Iterable[str]) -> None:
-        """Hand back held deliveries at once: they are delivered again immediately."""
-        self.flush_acks()
-        self.release(self.ledger.settle_all(tags))
-
-    def release(self, held: list[tuple[int, int]]) -> None:
-        if not held:
-            return
-        try:
-            self.store.release([i for i, _ in held], [lease for _, lease in held])
-        except Exception as exc:  # best effort: the leases lapse by themselves
-            logger.warning(
-                "pgqueue: could not release %d messages (%r); they return when their leases end",
-                len(held),
-                exc,
-            )
-
-    def flush_acks(self) -> None:
-        """Send pending acks now, so what is read next reflects them."""
-        if self.acks is not None:
-            self.acks.flush()
 
     # -- claiming ----------------------------------------------------------------------
 
@@ -390,13 +324,13 @@ class Consumer:
 
     def _release_payloads(self, payloads: list[dict[str, Any]]) -> None:
         tags = [payload["properties"]["delivery_tag"] for payload in payloads]
-        self.release(self.ledger.settle_all(tags))  # no-ack ones are gone already
+        self.held.release(self.held.settle_all(tags))  # no-ack ones are gone already
 
     def stop_claimer(self) -> None:
         claimer, self.claimer = self.claimer, None
         if claimer is not None:
             left = claimer.close()
-            self.release([(row.id, r.request.lease) for r in left for row in r.rows])
+            self.held.release([(row.id, r.request.lease) for r in left for row in r.rows])
         for state in self._sinks.values():
             state.claiming = 0
         self._inflight.clear()
@@ -436,46 +370,13 @@ class Consumer:
         self.next_due = due
         return due
 
-    # -- synchronous consuming -----------------------------------------------------------
-
-    def drain(self, timeout: float | None) -> None:
-        """Deliver at least one message, or raise TimeoutError after ``timeout``."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        listener = self.ensure_listener() if self._subs else None
-        while True:
-            if time.monotonic() >= self.next_poll and self._subs:
-                self.poll()
-            if self.deliver_pending(inline=True):
-                return
-            now = time.monotonic()
-            waits = [self.next_poll - now]
-            if deadline is not None:
-                waits.append(deadline - now)
-            if self.next_due is not None:
-                waits.append(self.next_due - time.time())
-            if self.pending:
-                waits.append(CLAIM_BATCH_WAIT)
-            wait = max(min(waits), 0.0)
-            if deadline is not None and now >= deadline:
-                raise TimeoutError()
-            if self.next_due is not None and self.next_due <= time.time():
-                self.next_due = None
-                self.next_poll = 0.0
-                continue
-            if listener is not None:
-                self.wake(listener.wait(wait))
-            else:
-                time.sleep(wait)
-
     # -- shutdown --------------------------------------------------------------------------
 
     def close(self) -> None:
         """Stop acking, renewing and listening; what is held returns when leases end
         (Kombu's channels restore their unacked messages before this)."""
         self.closed = True
-        if self.acks is not None:
-            self.acks.stop()
-        self._keeper.stop()
+        self.held.close()
         self.stop_claimer()
         if self.listener is not None:
             self.listener.close()

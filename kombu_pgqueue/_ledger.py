@@ -1,18 +1,25 @@
-"""The deliveries a consumer holds, and what each held one needs: its id and lease.
+"""The deliveries a consumer holds, and how each is settled: ack, reject, release.
 
-One object with a lock, shared by the thread that delivers (and acks), the lease
-keeper's thread, which renews everything held, and close, which releases it. Kombu's
-own QoS keeps its unacked messages in a dict that only the consuming thread may
-touch; nothing here reads it.
+The ledger is one object with a lock, shared by the thread that delivers (and acks),
+the lease keeper's thread, which renews everything held, and close, which releases it.
+Kombu's own QoS keeps its unacked messages in a dict that only the consuming thread may
+touch; nothing here reads it. Acks go to the ack batcher (or straight to the store).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Iterable
 from typing import Protocol
 
-from . import codec
+from . import _counters, codec
+from ._acks import AckBatcher
+from ._leases import LeaseKeeper
+from ._options import Options
+from ._store import Store
+
+logger = logging.getLogger(__name__)
 
 
 class Sink(Protocol):
@@ -58,3 +65,91 @@ class Ledger:
     def clear(self) -> None:
         with self._lock:
             self._held.clear()
+
+
+class Held:
+    """What one consumer holds unacked, with its lease keeper and ack batcher."""
+
+    def __init__(self, store: Store, options: Options) -> None:
+        self.store = store
+        self._ledger = Ledger()
+        self.settle = self._ledger.settle
+        self.settle_all = self._ledger.settle_all
+        self._keeper = LeaseKeeper(store, self._ledger.held, options.renewal_interval)
+        self.acks: AckBatcher | None = AckBatcher(store) if options.batch_acks else None
+        #: after close: acks go straight to the store
+        self.closed = False
+
+    def use_store(self, store: Store) -> None:
+        self.store = self._keeper.store = store
+        if self.acks is not None:
+            self.acks.store = store
+
+    def keep_leases(self) -> None:
+        self._keeper.start()
+
+    def hold(self, tag: str) -> None:
+        """A delivery reached its channel unacked (Kombu's QoS.append)."""
+        self._ledger.hold(tag)
+        self._keeper.start()
+
+    def ack(self, tag: str) -> None:
+        message_id, lease = self.settle(tag)
+        _counters.add("acked")
+        if self.acks is not None and not self.closed:
+            self.acks.add(message_id, lease)
+            return
+        # closed by a reconnect (the database restarted), but a task that finishes
+        # afterwards still acks: send it directly, and if the database cannot take it,
+        # the lease runs out and the message runs again (at-least-once), no crash
+        try:
+            done = self.store.ack(message_id, lease)
+        except Exception as exc:
+            logger.warning(
+                "pgqueue: ack of message %s failed (%r); it runs again when its lease ends",
+                message_id,
+                exc,
+            )
+            return
+        if not done:
+            logger.warning(
+                "pgqueue: ack of message %s came after its lease ended; it may run again",
+                message_id,
+            )
+
+    def reject(self, tag: str, requeue: bool) -> None:
+        message_id, lease = self.settle(tag)
+        if requeue:
+            self.store.requeue(message_id, lease)
+            _counters.add("requeued")
+        else:
+            self.store.bury(message_id, lease, "rejected")
+            _counters.add("rejected")
+
+    def restore(self, tags: Iterable[str]) -> None:
+        """Hand back held deliveries at once: they are delivered again immediately."""
+        self.flush_acks()
+        self.release(self.settle_all(tags))
+
+    def release(self, held: list[tuple[int, int]]) -> None:
+        if not held:
+            return
+        try:
+            self.store.release([i for i, _ in held], [lease for _, lease in held])
+        except Exception as exc:  # best effort: the leases lapse by themselves
+            logger.warning(
+                "pgqueue: could not release %d messages (%r); they return when their leases end",
+                len(held),
+                exc,
+            )
+
+    def flush_acks(self) -> None:
+        """Send pending acks now, so what is read next reflects them."""
+        if self.acks is not None:
+            self.acks.flush()
+
+    def close(self) -> None:
+        self.closed = True
+        if self.acks is not None:
+            self.acks.stop()
+        self._keeper.stop()

@@ -1,8 +1,9 @@
-"""A consumer inside an event loop (Celery's worker): readers, tick callback, timers.
+"""How a consumer is driven: by an event loop (Celery's worker), or by blocking drains.
 
-The LISTEN socket and the claimer's socket are readers of the loop; the loop's tick
-callback claims what is pending; timers run the safety poll, wake the consumer when a
-delayed message falls due, and retry a claim that was put off to fill a batch.
+In an event loop, the LISTEN socket and the claimer's socket are readers of the loop;
+the loop's tick callback claims what is pending; timers run the safety poll, wake the
+consumer when a delayed message falls due, and retry a claim put off to fill a batch.
+Outside one (``Connection.drain_events``), :func:`drain` waits on the LISTEN socket.
 """
 
 from __future__ import annotations
@@ -12,6 +13,36 @@ from typing import Any
 
 from ._claimer import Claimer
 from ._consumer import CLAIM_BATCH_WAIT, Consumer
+
+
+def drain(consumer: Consumer, timeout: float | None) -> None:
+    """Deliver at least one message, or raise TimeoutError after ``timeout``."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    listener = consumer.ensure_listener() if consumer.consuming else None
+    while True:
+        if time.monotonic() >= consumer.next_poll and consumer.consuming:
+            consumer.poll()
+        if consumer.deliver_pending(inline=True):
+            return
+        now = time.monotonic()
+        waits = [consumer.next_poll - now]
+        if deadline is not None:
+            waits.append(deadline - now)
+        if consumer.next_due is not None:
+            waits.append(consumer.next_due - time.time())
+        if consumer.pending:
+            waits.append(CLAIM_BATCH_WAIT)
+        wait = max(min(waits), 0.0)
+        if deadline is not None and now >= deadline:
+            raise TimeoutError()
+        if consumer.next_due is not None and consumer.next_due <= time.time():
+            consumer.next_due = None
+            consumer.next_poll = 0.0
+            continue
+        if listener is not None:
+            consumer.wake(listener.wait(wait))
+        else:
+            time.sleep(wait)
 
 
 def _cancel(timer: Any) -> None:

@@ -124,7 +124,7 @@ def _copy_direct(
     try:
         with conn.transaction():  # a savepoint: a taken key undoes only this COPY
             name = "copy_direct_binary" if binary else "copy_direct"
-            _copy(conn, statements[name], (row[:2] + row[3:] for row in rows), types)
+            _copy(conn, statements[name], (tuple(row[:2]) + tuple(row[3:]) for row in rows), types)
     except errors.UniqueViolation:
         return False
     return True

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from itertools import islice
 from typing import Any
 
-from kombu import Connection
+from kombu.connection import Connection
 from kombu.serialization import dumps
 
 from .exceptions import ConfigurationError

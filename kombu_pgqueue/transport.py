@@ -45,12 +45,12 @@ from typing import Any
 
 from kombu.exceptions import ChannelError
 from kombu.transport import base, virtual
-from kombu.transport.virtual.base import Empty
+from kombu.transport.virtual.base import Empty  # type: ignore[attr-defined]
 from kombu.utils.objects import cached_property
 
 from . import codec
 from ._consumer import Consumer
-from ._loop import LoopDriver
+from ._loop import LoopDriver, drain
 from ._options import build_conninfo, check_name, parse_options, topic_pattern
 from ._store import CONNECTION_ERRORS, Store, driver_version
 from .exceptions import ConfigurationError
@@ -64,14 +64,14 @@ class QoS(virtual.QoS):
 
     def append(self, message: Any, delivery_tag: str) -> None:
         super().append(message, delivery_tag)
-        self.channel.consumer.hold(delivery_tag)
+        self.channel.consumer.held.hold(delivery_tag)
 
     def ack(self, delivery_tag: str) -> None:
-        self.channel.consumer.ack(delivery_tag)
+        self.channel.consumer.held.ack(delivery_tag)
         super().ack(delivery_tag)
 
     def reject(self, delivery_tag: str, requeue: bool = False) -> None:
-        self.channel.consumer.reject(delivery_tag, requeue)
+        self.channel.consumer.held.reject(delivery_tag, requeue)
         self._quick_ack(delivery_tag)
 
     def restore_unacked(self) -> list[Any]:
@@ -79,7 +79,7 @@ class QoS(virtual.QoS):
         self._flush()
         tags = list(self._delivered)
         self._delivered.clear()
-        self.channel.consumer.restore(tags)
+        self.channel.consumer.held.restore(tags)
         return []
 
 
@@ -87,10 +87,10 @@ class Channel(virtual.Channel):
     QoS = QoS
     supports_fanout = True
     # bodies are stored as bytea; no base64 on the way
-    body_encoding = None
+    body_encoding = None  # type: ignore[assignment]  # Kombu: "base64"; None means raw
     max_priority = 255
     # routing is done in SQL, so Kombu's unroutable-message queue has no hook here
-    from_transport_options = ()
+    from_transport_options = ()  # type: ignore[assignment]  # Kombu names two
 
     def __init__(self, connection: Transport, **kwargs: Any) -> None:
         super().__init__(connection, **kwargs)
@@ -148,11 +148,11 @@ class Channel(virtual.Channel):
         self.store.delete_queue(queue)
 
     def _size(self, queue: str) -> int:
-        self.consumer.flush_acks()
+        self.consumer.held.flush_acks()
         return self.store.size(queue)
 
     def _purge(self, queue: str) -> int:
-        self.consumer.flush_acks()
+        self.consumer.held.flush_acks()
         return self.store.purge(queue)
 
     def exchange_declare(
@@ -319,7 +319,7 @@ class Channel(virtual.Channel):
 class Transport(virtual.Transport):
     Channel = Channel
 
-    default_port = 5432
+    default_port = 5432  # type: ignore[assignment]  # Kombu's base declares None
     driver_type = "pgqueue"
     driver_name = "psycopg"
     polling_interval = 5.0
@@ -347,7 +347,7 @@ class Transport(virtual.Transport):
         return driver_version()
 
     def _conninfo(self) -> str:
-        client = self.client
+        client: Any = self.client  # kombu.Connection, set before any connecting
         return build_conninfo(
             hostname=client.hostname,
             port=client.port,
@@ -357,8 +357,6 @@ class Transport(virtual.Transport):
             connect_timeout=client.connect_timeout,
             libpq=self.options.libpq,
         )
-
-    # -- connection lifecycle --------------------------------------------------
 
     def establish_connection(self) -> Any:
         conninfo = self._conninfo()
@@ -378,12 +376,10 @@ class Transport(virtual.Transport):
 
     def flush_acks(self) -> None:
         """Send pending acks now, so what this transport reads next reflects them."""
-        self.consumer.flush_acks()
+        self.consumer.held.flush_acks()
 
-    # -- consuming ---------------------------------------------------------------------
-
-    def drain_events(self, connection: Any, timeout: float | None = None) -> None:
-        self.consumer.drain(timeout)
+    def drain_events(self, connection: Any, timeout: float | None = None, **_: Any) -> None:
+        drain(self.consumer, timeout)
 
     def register_with_event_loop(self, connection: Any, loop: Any) -> None:
         self._unregister()

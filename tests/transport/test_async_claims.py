@@ -43,6 +43,15 @@ def _claim_returned(conn: Connection, timeout: float = 10) -> None:
     assert ready, "the claim brought nothing back"
 
 
+def _take_answer(conn: Connection, queue: str) -> None:
+    """Let the consumer read the claim's answer, as the loop does when its socket is
+    readable: once readable, the answer may still be on its way in parts."""
+    consumer = conn.transport.consumer
+    while queue in consumer.in_flight:
+        _claim_returned(conn)
+        consumer.on_claimed()
+
+
 @pytest.fixture
 def busy(monkeypatch: pytest.MonkeyPatch) -> None:
     """Make consumers count as delivering all along, so no claim goes inline.
@@ -174,9 +183,8 @@ def test_messages_claimed_for_a_consumer_cancelled_meanwhile_come_back_at_once(
     kombu_consumer.consume()
 
     consumer.deliver_pending()  # sends the claim
-    _claim_returned(conn)
     kombu_consumer.cancel()
-    consumer.on_claimed()
+    _take_answer(conn, "ctc")
 
     assert got == []
     # released, not left leased until the lease ends: claimable right away
@@ -185,21 +193,23 @@ def test_messages_claimed_for_a_consumer_cancelled_meanwhile_come_back_at_once(
 
 @pytest.mark.usefixtures("busy")
 def test_a_wakeup_during_a_short_claim_keeps_the_queue_pending(
-    make_connection: Callable[..., Connection], hub: Hub
+    make_connection: Callable[..., Connection], hub: Hub, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     conn = _registered(make_connection, hub, "ctn", 1)
     consumer = conn.transport.consumer
     got = _consume(conn, "ctn", 10)
+    how = _spy_claims(conn, monkeypatch)
 
     consumer.pending.add("ctn")
     consumer.deliver_pending()
-    _claim_returned(conn)
     # a NOTIFY for a message committed after the claim's snapshot arrives meanwhile
     consumer.wake(Wakeups(queues={"ctn"}, due=None))
-    consumer.on_claimed()
+    _take_answer(conn, "ctn")
 
     assert got == [0]
-    assert "ctn" in consumer.pending  # claimed again, not left for the safety poll
+    # the short claim did not end the queue's turn: claimed again at once, not left
+    # for the safety poll
+    assert how == ["sent", "sent"]
 
 
 def _locked(dsn: str, schema: str) -> psycopg.Connection:
@@ -248,9 +258,8 @@ def test_a_claim_that_fails_in_the_database_raises_in_the_loop_and_the_next_one_
     try:
         consumer.pending.add("ctq")
         consumer.deliver_pending()
-        _claim_returned(conn)  # the statement timeout's error
-        with pytest.raises(psycopg.errors.QueryCanceled):
-            consumer.on_claimed()
+        with pytest.raises(psycopg.errors.QueryCanceled):  # the statement timeout's
+            _take_answer(conn, "ctq")
     finally:
         holder.close()
     assert got == [] and consumer.in_flight == frozenset()
@@ -309,10 +318,9 @@ def test_a_callback_error_mid_batch_releases_the_rest_of_the_batch(
     conn, got = _failing_on_second(make_connection, hub, "ctx", 5)
     consumer = conn.transport.consumer
     consumer.deliver_pending()  # one batch of 5, sent
-    _claim_returned(conn)
 
     with pytest.raises(RuntimeError):
-        consumer.on_claimed()
+        _take_answer(conn, "ctx")
 
     assert got == [0, 1]
     # 2, 3 and 4 were claimed but never handed out: released, claimable at once
@@ -449,7 +457,7 @@ def test_only_time_in_the_server_counts_a_claim_as_slow_not_a_busy_loop(
     consumer.deliver_pending()
     _claim_returned(conn)  # the answer waits in the socket...
     clock.ahead += 0.3  # ...while the loop is busy elsewhere for 0.3 s
-    consumer.on_claimed()
+    _take_answer(conn, "ctslow")
     assert [m.payload for m in held] == [0]
     assert consumer.resume_position("ctslow") is None
 
@@ -458,8 +466,7 @@ def test_only_time_in_the_server_counts_a_claim_as_slow_not_a_busy_loop(
     held.pop().ack()
     consumer.pending.add("ctslow")
     consumer.deliver_pending()
-    _claim_returned(conn)
-    consumer.on_claimed()
+    _take_answer(conn, "ctslow")
     assert [m.payload for m in held] == [1]
     position = consumer.resume_position("ctslow")
     assert position is not None and position[1] == held[0].delivery_info["pgqueue_id"]
