@@ -89,12 +89,11 @@ def outgoing(queue: str, message: Mapping[str, Any], *, task_keys: TaskKeys) -> 
     try:
         # NaN and Infinity are not JSON; PostgreSQL would refuse them later
         headers_json = dumps(headers, allow_nan=False)
-        properties_json = dumps(properties, allow_nan=False)
     except (TypeError, ValueError) as exc:
         raise MessageError(
-            f"message for queue {queue!r} has headers or properties that cannot be "
-            f"stored as JSON: {exc}"
+            f"message for queue {queue!r} has headers that cannot be stored as JSON: {exc}"
         ) from exc
+    properties_json = _properties_json(queue, properties)
     return Outgoing(
         queue=queue,
         body=bytes(body),
@@ -107,6 +106,35 @@ def outgoing(queue: str, message: Mapping[str, Any], *, task_keys: TaskKeys) -> 
         expires_at=ms_from_now(properties.get("expiration")),
         dedup_key=key,
     )
+
+
+def _properties_json(queue: str, properties: Mapping[str, Any]) -> str:
+    """The properties as JSON text, without those JSON cannot hold.
+
+    An AMQP broker keeps only the properties AMQP defines and drops any other keyword
+    given to ``Producer.publish`` (Celery's own signal handlers pass some through, such
+    as the ``signal`` object of ``before_task_publish``). Such a property that JSON
+    cannot hold is dropped here too, with a warning, rather than the message.
+    """
+    try:
+        return str(dumps(properties, allow_nan=False))
+    except (TypeError, ValueError):
+        pass
+    kept: dict[str, Any] = {}
+    for key, value in properties.items():
+        try:
+            dumps(value, allow_nan=False)
+        except (TypeError, ValueError):
+            logger.warning(
+                "pgqueue: dropped message property %r for queue %r: %s cannot be stored as "
+                "JSON (AMQP brokers drop properties they do not define, too)",
+                key,
+                queue,
+                type(value).__name__,
+            )
+            continue
+        kept[key] = value
+    return str(dumps(kept, allow_nan=False))
 
 
 def dedup_key(headers: Mapping[str, Any], properties: Any, task_keys: TaskKeys) -> str | None:

@@ -190,6 +190,21 @@ def test_publish_with_headers_that_are_not_json_raises_message_error(
     assert _count(db, schema, "message") == 0
 
 
+def test_a_property_json_cannot_hold_is_dropped_not_the_message(
+    connection: Connection, caplog: pytest.LogCaptureFixture
+) -> None:
+    """AMQP brokers drop properties they do not define; Celery's before_task_publish
+    handlers may pass the signal object itself to Producer.publish as one."""
+    producer = Producer(connection)
+    producer.publish("x", routing_key="prop-q", declare=[Queue("prop-q")], signal=object(), n=7)
+
+    message = connection.SimpleQueue("prop-q").get(timeout=5)
+    assert message.payload == "x"
+    assert "signal" not in message.properties and message.properties["n"] == 7
+    assert "dropped message property 'signal' for queue 'prop-q'" in caplog.text
+    message.ack()
+
+
 def test_headers_round_trip_as_json(connection: Connection) -> None:
     headers = {
         "nested": {"list": [1, 2.5, None, True], "empty": {}},
