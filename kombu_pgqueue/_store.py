@@ -9,18 +9,18 @@ from __future__ import annotations
 
 import os
 import secrets
-from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from datetime import datetime
 from typing import Any
 
 import psycopg
-from psycopg import errors, pq
+from psycopg import pq
 from psycopg_pool import ConnectionPool
 
-from . import _pool, _sql, transactions
+from . import _errors, _pool, _sql, transactions
+from ._copy import load_staged
 from ._options import Options
-from .exceptions import MessageError, PrivilegeError, SchemaError
 from .records import (
     STAGING_COLUMNS,
     ClaimRequest,
@@ -50,101 +50,6 @@ _RELAXED = frozenset(
 
 #: statements that go through an enlisted application transaction, if there is one
 _PUBLISHES = frozenset({"publish", "publish_many", "publish_routed"})
-
-
-def load_staged(
-    conn: psycopg.Connection,
-    schema: str,
-    channel: str,
-    rows: Iterable[Sequence[Any]],
-    *,
-    ordered: bool = True,
-    binary: bool = False,
-) -> int:
-    """Load ``rows`` (in :data:`STAGING_COLUMNS` order) into the queue in one transaction.
-
-    Returns how many were inserted: a dedup key already waiting or running is
-    skipped. Consumers get one NOTIFY per queue at commit. Messages without an ETA,
-    for queues without a TTL, are first tried by COPY straight into the queue table
-    (the fast path: no staging table, no INSERT ... ON CONFLICT); if a dedup key is
-    taken, that COPY is undone and its rows take the staging path with the rest.
-    ``ordered=False`` lets ids follow any order within the staging path (cheaper for
-    large loads); ``binary`` needs values of exactly the staging types (aware
-    datetimes, ints within int2). For connections the caller opened itself, such as a
-    Spark executor's; the broker's own publishes use :meth:`Store.publish_rows`.
-    """
-    statements = _sql.queries(schema)
-    rows = rows if isinstance(rows, list) else list(rows)
-    if not rows:
-        return 0
-    with conn.transaction():
-        queues = sorted({row[0] for row in rows})
-        found = conn.execute(statements["ttl_queues"], {"queues": queues}).fetchall()
-        ttl = {name for (name,) in found}
-        direct: list[Sequence[Any]] = []
-        staged: list[Sequence[Any]] = []
-        for row in rows:
-            (direct if row[2] is None and row[0] not in ttl else staged).append(row)
-        inserted = 0
-        if direct:
-            if _copy_direct(conn, statements, direct, binary):
-                inserted = len(direct)
-                ready = sorted({row[0] for row in direct})
-                conn.execute(statements["notify_ready"], {"channel": channel, "queues": ready})
-            else:
-                staged = rows  # all of them, in their order
-        if staged:
-            inserted += _copy_staged(conn, statements, staged, channel, ordered, binary)
-    return inserted
-
-
-def _copy(
-    conn: psycopg.Connection,
-    statement: Any,
-    rows: Iterable[Sequence[Any]],
-    types: list[str] | None,
-) -> None:
-    """Stream ``rows`` into one COPY; ``types`` for binary format, None for text."""
-    with conn.cursor().copy(statement) as copy:
-        if types is not None:
-            copy.set_types(types)
-        write = copy.write_row
-        for row in rows:
-            write(row)
-
-
-def _copy_direct(
-    conn: psycopg.Connection,
-    statements: dict[str, Any],
-    rows: list[Sequence[Any]],
-    binary: bool,
-) -> bool:
-    """COPY rows straight into the queue table; False (and nothing written) on a taken key."""
-    types = [kind for name, kind in STAGING_COLUMNS if name != "eta"] if binary else None
-    try:
-        with conn.transaction():  # a savepoint: a taken key undoes only this COPY
-            name = "copy_direct_binary" if binary else "copy_direct"
-            _copy(conn, statements[name], (tuple(row[:2]) + tuple(row[3:]) for row in rows), types)
-    except errors.UniqueViolation:
-        return False
-    return True
-
-
-def _copy_staged(
-    conn: psycopg.Connection,
-    statements: dict[str, Any],
-    rows: list[Sequence[Any]],
-    channel: str,
-    ordered: bool,
-    binary: bool,
-) -> int:
-    conn.execute(statements["create_staging"])
-    types = [kind for _, kind in STAGING_COLUMNS] if binary else None
-    _copy(conn, statements["copy_staging_binary" if binary else "copy_staging"], rows, types)
-    found = conn.execute(
-        statements["publish_staged"], {"channel": channel, "ordered": ordered}
-    ).fetchall()
-    return int(found[0][0]) if found else 0
 
 
 def new_lease() -> int:
@@ -183,26 +88,11 @@ class Store:
         assert self._pool is not None
         return self._pool
 
-    @contextmanager
-    def translated(self, name: str) -> Iterator[None]:
-        # the one place that turns SQLSTATEs into pgqueue errors
-        try:
-            yield
-        except errors.UndefinedTable as exc:
-            _pool.forget_schema(self.conninfo, self.schema)
-            raise SchemaError(
-                f"pgqueue schema {self.schema!r} is missing a table ({exc.diag.message_primary}); "
-                "run: python -m kombu_pgqueue migrate"
-            ) from exc
-        except errors.InsufficientPrivilege as exc:
-            raise PrivilegeError(
-                f"the database role may not run {name!r} on schema {self.schema!r}: "
-                f"{exc.diag.message_primary}"
-            ) from exc
-        except (errors.ProgramLimitExceeded, psycopg.DataError) as exc:
-            # psycopg raises DataError itself for a NUL in text, before sending
-            detail = exc.diag.message_primary or str(exc)
-            raise MessageError(f"{name} on schema {self.schema!r}: {detail}") from exc
+    def translated(self, name: str) -> AbstractContextManager[None]:
+        """Statement ``name``'s errors as pgqueue's (see :mod:`._errors`)."""
+        return _errors.translated(
+            name, self.schema, lambda: _pool.forget_schema(self.conninfo, self.schema)
+        )
 
     def _rows(
         self, name: str, params: dict[str, Any], *, prepare: bool | None = None
@@ -333,14 +223,16 @@ class Store:
     def ack_many(self, ids: Sequence[int], leases: Sequence[int]) -> int:
         return len(self._rows("ack_many", {"ids": list(ids), "leases": list(leases)}))
 
-    def requeue(self, id: int, lease: int) -> bool:
-        params = {"id": id, "lease": lease, "channel": self.options.channel}
+    def requeue(self, id: int, lease: int, now: datetime | None = None) -> bool:
+        params = {"id": id, "lease": lease, "channel": self.options.channel, "now": now}
         return self._one("requeue", params) is not None
 
-    def release(self, ids: Sequence[int], leases: Sequence[int]) -> None:
+    def release(
+        self, ids: Sequence[int], leases: Sequence[int], now: datetime | None = None
+    ) -> None:
         if ids:
             params = {"ids": list(ids), "leases": list(leases), "channel": self.options.channel}
-            self._rows("release", params)
+            self._rows("release", {**params, "now": now})
 
     def bury(self, id: int, lease: int, reason: str) -> bool:
         return self._one("bury", {"id": id, "lease": lease, "reason": reason}) is not None

@@ -32,7 +32,7 @@ import psycopg
 from kombu.connection import Connection
 from psycopg.conninfo import make_conninfo
 
-from . import _counters, _store, migrations
+from . import _copy, _counters, _store, migrations
 from ._monitor import DEFAULT_CAP, Monitor, QueueDepth, TableSize
 from ._options import (
     DEFAULT_SCHEMA,
@@ -107,7 +107,7 @@ def load_staged(
     """
     schema = check_schema(schema)
     channel = notify_channel(schema)
-    return _store.load_staged(conn, schema, channel, rows, ordered=ordered, binary=binary)
+    return _copy.load_staged(conn, schema, channel, rows, ordered=ordered, binary=binary)
 
 
 def _connection_conninfo(connection: Connection, options: Options) -> str:

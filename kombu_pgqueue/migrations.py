@@ -10,13 +10,12 @@ from __future__ import annotations
 import zlib
 
 import psycopg
-from psycopg import errors, sql
+from psycopg import sql
 
 from . import _sql
+from ._errors import MIGRATE_COMMAND, creating_schema, using_schema
 from ._options import DEFAULT_SCHEMA, check_schema
-from .exceptions import PrivilegeError, SchemaError
-
-MIGRATE_COMMAND = "python -m kombu_pgqueue migrate --dsn <dsn> --schema {schema}"
+from .exceptions import SchemaError
 
 
 def latest_version() -> int:
@@ -46,17 +45,6 @@ def current_version(conn: psycopg.Connection, schema: str = DEFAULT_SCHEMA) -> i
     return int(found[0]) if found else 0
 
 
-def _privilege_error(conn: psycopg.Connection, schema: str, exc: Exception) -> PrivilegeError:
-    role = conn.info.parameter_status("session_authorization") or conn.info.user
-    return PrivilegeError(
-        f"role {role!r} may not create the pgqueue schema {schema!r} in database "
-        f"{conn.info.dbname!r} ({exc}). Let it create schemas in that database ("
-        + _sql.advice("grant_create", conn, database=conn.info.dbname, role=role)
-        + f"), or create the schema owned by it, or have an owner run: "
-        f"{MIGRATE_COMMAND.format(schema=schema)}"
-    )
-
-
 def migrate(conninfo: str | psycopg.Connection, schema: str = DEFAULT_SCHEMA) -> list[int]:
     """Bring ``schema`` up to the latest version; return the versions applied."""
     schema = check_schema(schema)
@@ -69,32 +57,29 @@ def migrate(conninfo: str | psycopg.Connection, schema: str = DEFAULT_SCHEMA) ->
 def _migrate(conn: psycopg.Connection, schema: str) -> list[int]:
     applied: list[int] = []
     ident = sql.Identifier(schema)
-    try:
-        with conn.transaction():
-            conn.execute("SELECT pg_advisory_xact_lock(%s)", (_lock_key(schema),))
-            conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(ident))
+    with creating_schema(conn, schema), conn.transaction():
+        conn.execute("SELECT pg_advisory_xact_lock(%s)", (_lock_key(schema),))
+        conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(ident))
+        conn.execute(
+            sql.SQL(
+                "CREATE TABLE IF NOT EXISTS {}.schema_migration ("
+                " version integer PRIMARY KEY,"
+                " name text NOT NULL,"
+                " applied_at timestamptz NOT NULL DEFAULT now())"
+            ).format(ident)
+        )
+        done = current_version(conn, schema)
+        for version, slug, text in _sql.migration_files():
+            if version <= done:
+                continue
+            conn.execute(_sql.compose(text, schema))
             conn.execute(
-                sql.SQL(
-                    "CREATE TABLE IF NOT EXISTS {}.schema_migration ("
-                    " version integer PRIMARY KEY,"
-                    " name text NOT NULL,"
-                    " applied_at timestamptz NOT NULL DEFAULT now())"
-                ).format(ident)
+                sql.SQL("INSERT INTO {}.schema_migration (version, name) VALUES (%s, %s)").format(
+                    ident
+                ),
+                (version, slug),
             )
-            done = current_version(conn, schema)
-            for version, slug, text in _sql.migration_files():
-                if version <= done:
-                    continue
-                conn.execute(_sql.compose(text, schema))
-                conn.execute(
-                    sql.SQL(
-                        "INSERT INTO {}.schema_migration (version, name) VALUES (%s, %s)"
-                    ).format(ident),
-                    (version, slug),
-                )
-                applied.append(version)
-    except errors.InsufficientPrivilege as exc:
-        raise _privilege_error(conn, schema, exc) from exc
+            applied.append(version)
     return applied
 
 
@@ -113,15 +98,8 @@ def check(conn: psycopg.Connection, schema: str = DEFAULT_SCHEMA) -> None:
 
 def ensure(conn: psycopg.Connection, schema: str, *, auto_migrate: bool) -> None:
     """Migrate ``schema`` when allowed, else check it; cheap when already current."""
-    try:
+    with using_schema(conn, schema):
         have = current_version(conn, schema)
-    except errors.InsufficientPrivilege as exc:
-        role = conn.info.parameter_status("session_authorization") or conn.info.user
-        raise PrivilegeError(
-            f"role {role!r} may not use the pgqueue schema {schema!r} in database "
-            f"{conn.info.dbname!r} ({exc.diag.message_primary}). Its owner can run: "
-            + _sql.advice("grant_usage", conn, schema=schema, role=role)
-        ) from exc
     if have >= latest_version():
         return
     if auto_migrate:

@@ -285,7 +285,7 @@ RETURNING m.id;
 -- name: requeue :one
 -- Visible again at once, at its old place in the queue.
 UPDATE {schema}.message
-SET next_iteration = now(),
+SET next_iteration = coalesce(%(now)s::timestamptz, now()),
     lease = NULL
 WHERE id = %(id)s
   AND lease = %(lease)s
@@ -301,7 +301,7 @@ RETURNING id, pg_notify(%(channel)s, 'r:' || queue);
 -- does not count against max_attempts.
 WITH released AS (
     UPDATE {schema}.message AS m
-    SET next_iteration = now(),
+    SET next_iteration = coalesce(%(now)s::timestamptz, now()),
         lease = NULL,
         attempts = greatest(m.attempts - 1, 0)
     FROM unnest(%(ids)s::bigint[], %(leases)s::bigint[]) AS held (id, lease)

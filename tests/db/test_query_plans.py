@@ -107,7 +107,13 @@ def _params(name: str, now: datetime) -> dict[str, Any]:
         "ack": {"id": 123, "lease": 42, "synchronous_commit": "off"},
         "ack_many": {"ids": [1, 2, 3], "leases": [42, 42, 42], "synchronous_commit": "off"},
         "renew": {"ids": [1, 2, 3], "leases": [42, 42, 42], "now": None, **lease},
-        "requeue": {"id": 123, "lease": 42, "channel": "c", "synchronous_commit": "off"},
+        "requeue": {
+            "id": 123,
+            "lease": 42,
+            "channel": "c",
+            "synchronous_commit": "off",
+            "now": now,
+        },
         "bury": {"id": 123, "lease": 42, "reason": "rejected", "synchronous_commit": "off"},
     }[name]
 
@@ -182,7 +188,7 @@ def test_statements_joining_a_list_of_ids_reach_it_by_key_whatever_the_estimate(
     conn, schema, now = believed_empty
     params = _params("renew" if name == "release" else name, now)
     if name == "release":
-        params = {k: params[k] for k in ("ids", "leases", "synchronous_commit")}
+        params = {k: params[k] for k in ("ids", "leases", "synchronous_commit", "now")}
         params["channel"] = "c"
 
     nodes = _explain(conn, schema, name, params)

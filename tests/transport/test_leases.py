@@ -12,6 +12,7 @@ import pytest
 from kombu import Connection, Consumer, Producer, Queue
 
 from kombu_pgqueue._store import new_lease
+from kombu_pgqueue.records import Outgoing
 
 Later = Callable[[float], datetime]
 
@@ -146,3 +147,16 @@ def test_a_late_ack_on_a_closed_channel_is_no_crash_and_loses_nothing(
     getattr(message, action)()
     again = conn.channel().basic_get("late")
     assert again is not None and again.payload == 0
+
+
+def test_requeue_and_release_take_the_time_as_a_parameter(store, later) -> None:
+    """Made visible "now" by the statement's clock: a later now, given, is honoured."""
+    for body in (b"requeued", b"released"):
+        store.publish(Outgoing(queue="tq", body=body, headers="{}", properties="{}"))
+    lease = new_lease()
+    requeued, released = store.claim("tq", 2, lease)
+    assert store.requeue(requeued.id, lease, now=later(3600))
+    store.release([released.id], [lease], now=later(3600))
+    assert store.claim("tq", 2, new_lease()) == []  # visible an hour from now, not before
+    back = store.claim("tq", 2, new_lease(), now=later(3601))
+    assert sorted(bytes(d.body) for d in back) == [b"released", b"requeued"]

@@ -1,0 +1,114 @@
+"""The COPY loader: many staged rows into the queue in one transaction.
+
+Bulk sends and Spark partitions write thousands of task messages at a time; a
+``COPY`` into the queue table (or into a staging table, then ``INSERT ... ON
+CONFLICT`` for dedup keys, ETAs and TTL queues) carries them. Used by the store's
+``publish_rows`` and by :func:`kombu_pgqueue.admin.load_staged` on a connection of
+the caller's own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import psycopg
+from psycopg import errors
+
+from . import _sql
+from .records import STAGING_COLUMNS
+
+
+def load_staged(
+    conn: psycopg.Connection,
+    schema: str,
+    channel: str,
+    rows: Iterable[Sequence[Any]],
+    *,
+    ordered: bool = True,
+    binary: bool = False,
+) -> int:
+    """Load ``rows`` (in :data:`STAGING_COLUMNS` order) into the queue in one transaction.
+
+    Returns how many were inserted: a dedup key already waiting or running is
+    skipped. Consumers get one NOTIFY per queue at commit. Messages without an ETA,
+    for queues without a TTL, are first tried by COPY straight into the queue table
+    (the fast path: no staging table, no INSERT ... ON CONFLICT); if a dedup key is
+    taken, that COPY is undone and its rows take the staging path with the rest.
+    ``ordered=False`` lets ids follow any order within the staging path (cheaper for
+    large loads); ``binary`` needs values of exactly the staging types (aware
+    datetimes, ints within int2). For connections the caller opened itself, such as a
+    Spark executor's; the broker's own publishes use :meth:`Store.publish_rows`.
+    """
+    statements = _sql.queries(schema)
+    rows = rows if isinstance(rows, list) else list(rows)
+    if not rows:
+        return 0
+    with conn.transaction():
+        queues = sorted({row[0] for row in rows})
+        found = conn.execute(statements["ttl_queues"], {"queues": queues}).fetchall()
+        ttl = {name for (name,) in found}
+        direct: list[Sequence[Any]] = []
+        staged: list[Sequence[Any]] = []
+        for row in rows:
+            (direct if row[2] is None and row[0] not in ttl else staged).append(row)
+        inserted = 0
+        if direct:
+            if _copy_direct(conn, statements, direct, binary):
+                inserted = len(direct)
+                ready = sorted({row[0] for row in direct})
+                conn.execute(statements["notify_ready"], {"channel": channel, "queues": ready})
+            else:
+                staged = rows  # all of them, in their order
+        if staged:
+            inserted += _copy_staged(conn, statements, staged, channel, ordered, binary)
+    return inserted
+
+
+def _copy(
+    conn: psycopg.Connection,
+    statement: Any,
+    rows: Iterable[Sequence[Any]],
+    types: list[str] | None,
+) -> None:
+    """Stream ``rows`` into one COPY; ``types`` for binary format, None for text."""
+    with conn.cursor().copy(statement) as copy:
+        if types is not None:
+            copy.set_types(types)
+        write = copy.write_row
+        for row in rows:
+            write(row)
+
+
+def _copy_direct(
+    conn: psycopg.Connection,
+    statements: dict[str, Any],
+    rows: list[Sequence[Any]],
+    binary: bool,
+) -> bool:
+    """COPY rows straight into the queue table; False (and nothing written) on a taken key."""
+    types = [kind for name, kind in STAGING_COLUMNS if name != "eta"] if binary else None
+    try:
+        with conn.transaction():  # a savepoint: a taken key undoes only this COPY
+            name = "copy_direct_binary" if binary else "copy_direct"
+            _copy(conn, statements[name], (tuple(row[:2]) + tuple(row[3:]) for row in rows), types)
+    except errors.UniqueViolation:
+        return False
+    return True
+
+
+def _copy_staged(
+    conn: psycopg.Connection,
+    statements: dict[str, Any],
+    rows: list[Sequence[Any]],
+    channel: str,
+    ordered: bool,
+    binary: bool,
+) -> int:
+    conn.execute(statements["create_staging"])
+    types = [kind for _, kind in STAGING_COLUMNS] if binary else None
+    _copy(conn, statements["copy_staging_binary" if binary else "copy_staging"], rows, types)
+    found = conn.execute(
+        statements["publish_staged"], {"channel": channel, "ordered": ordered}
+    ).fetchall()
+    return int(found[0][0]) if found else 0

@@ -1,0 +1,77 @@
+"""The one place that turns PostgreSQL's errors (SQLSTATEs) into pgqueue's.
+
+A missing table means a missing or partly dropped schema (:class:`SchemaError`, naming
+the migrate command); a privilege error names what the role may not do and, where a
+grant would help, the statement its owner can run (:class:`PrivilegeError`); data that
+PostgreSQL refuses is the message's fault (:class:`MessageError`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import psycopg
+from psycopg import errors
+
+from . import _sql
+from .exceptions import MessageError, PrivilegeError, SchemaError
+
+MIGRATE_COMMAND = "python -m kombu_pgqueue migrate --dsn <dsn> --schema {schema}"
+
+
+@contextmanager
+def translated(name: str, schema: str, forget_schema: Callable[[], None]) -> Iterator[None]:
+    """Statement ``name`` on ``schema``: its errors as pgqueue's. ``forget_schema`` is
+    called when a table is missing (the schema is checked again on the next connect)."""
+    try:
+        yield
+    except errors.UndefinedTable as exc:
+        forget_schema()
+        raise SchemaError(
+            f"pgqueue schema {schema!r} is missing a table ({exc.diag.message_primary}); "
+            "run: python -m kombu_pgqueue migrate"
+        ) from exc
+    except errors.InsufficientPrivilege as exc:
+        raise PrivilegeError(
+            f"the database role may not run {name!r} on schema {schema!r}: "
+            f"{exc.diag.message_primary}"
+        ) from exc
+    except (errors.ProgramLimitExceeded, psycopg.DataError) as exc:
+        # psycopg raises DataError itself for a NUL in text, before sending
+        detail = exc.diag.message_primary or str(exc)
+        raise MessageError(f"{name} on schema {schema!r}: {detail}") from exc
+
+
+@contextmanager
+def creating_schema(conn: psycopg.Connection, schema: str) -> Iterator[None]:
+    """Installing or upgrading ``schema``: a role that may not create it is told how."""
+    try:
+        yield
+    except errors.InsufficientPrivilege as exc:
+        role = _role(conn)
+        raise PrivilegeError(
+            f"role {role!r} may not create the pgqueue schema {schema!r} in database "
+            f"{conn.info.dbname!r} ({exc}). Let it create schemas in that database ("
+            + _sql.advice("grant_create", conn, database=conn.info.dbname, role=role)
+            + f"), or create the schema owned by it, or have an owner run: "
+            f"{MIGRATE_COMMAND.format(schema=schema)}"
+        ) from exc
+
+
+@contextmanager
+def using_schema(conn: psycopg.Connection, schema: str) -> Iterator[None]:
+    """Reading ``schema``: a role that may not use it is told what to grant."""
+    try:
+        yield
+    except errors.InsufficientPrivilege as exc:
+        role = _role(conn)
+        raise PrivilegeError(
+            f"role {role!r} may not use the pgqueue schema {schema!r} in database "
+            f"{conn.info.dbname!r} ({exc.diag.message_primary}). Its owner can run: "
+            + _sql.advice("grant_usage", conn, schema=schema, role=role)
+        ) from exc
+
+
+def _role(conn: psycopg.Connection) -> str:
+    return conn.info.parameter_status("session_authorization") or conn.info.user
