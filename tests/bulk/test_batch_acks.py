@@ -6,6 +6,7 @@ import threading
 
 from kombu import Consumer, Queue
 from psycopg import sql
+from waiting import wait_for
 
 from kombu_pgqueue.bulk import publish_many
 
@@ -44,12 +45,7 @@ def test_acks_from_another_thread_are_sent(make_connection, db, schema):
         acker.start()
         acker.join()
         # nobody on this transport reads again: the background flusher must send them
-        deadline = threading.Event()
-        for _ in range(100):
-            if _rows(db, schema) == 0:
-                break
-            deadline.wait(0.05)
-        assert _rows(db, schema) == 0
+        wait_for(lambda: _rows(db, schema) == 0, 5, "the background flusher to send the acks")
 
 
 def test_a_stale_batched_ack_does_not_delete_a_newer_delivery(make_connection, store, db, schema):

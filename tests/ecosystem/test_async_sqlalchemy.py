@@ -14,8 +14,6 @@ import asyncio
 import os
 import subprocess
 import sys
-import threading
-import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -25,11 +23,12 @@ import psycopg
 import pytest
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
+from celery_apps import celery_app
 from psycopg import sql
-from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, create_async_engine
 from sqlalchemy.orm import Session
+from waiting import wait_for
 
 import celery_pgqueue
 import kombu_pgqueue
@@ -45,17 +44,8 @@ class Boom(Exception):
     """Raised inside a transaction to roll it back."""
 
 
-def wait_for(condition: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while not (found := condition()):
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout}s waiting for {what}")
-        threading.Event().wait(0.05)
-    return found
-
-
 def _async_url(dsn: str) -> str:
-    return celery_pgqueue.result_backend_url(dsn or "postgresql://").removeprefix("db+")
+    return celery_pgqueue.result_backend_url(dsn).removeprefix("db+")
 
 
 @asynccontextmanager
@@ -83,18 +73,9 @@ async def _insert_order(handle: Any, schema: str, order_id: int) -> None:
     await handle.execute(text(f"INSERT INTO {table} (id) VALUES (:id)"), {"id": order_id})  # noqa: S608
 
 
-def _app(dsn: str, schema: str) -> Celery:
-    app = Celery(f"eco_{schema}", set_as_current=False)
-    celery_pgqueue.configure(
-        app, dsn or "postgresql://", results=False, schema=schema, polling_interval=0.5
-    )
-    app.conf.update(worker_hijack_root_logger=False, task_default_queue="celery")
-    return app
-
-
 @pytest.fixture
 def app(dsn: str, schema: str, db: psycopg.Connection) -> Iterator[Celery]:
-    app = _app(dsn, schema)
+    app = celery_app(dsn, schema, main=f"eco_{schema}", results=False)
     with app.connection_for_write() as conn:
         conn.default_channel  # noqa: B018 - connecting migrates the schema
     db.execute(
@@ -109,12 +90,15 @@ class Shipped:
 
     def __init__(self) -> None:
         self.seen: dict[int, bool] = {}
-        self.changed = threading.Condition()
 
-    def wait(self, *order_ids: int) -> dict[int, bool]:
-        with self.changed:
-            ok = self.changed.wait_for(lambda: set(order_ids) <= set(self.seen), 20)
-        assert ok, f"tasks for {order_ids} did not run; ran: {self.seen}"
+    def ran(self, *order_ids: int) -> dict[int, bool]:
+        """Once the tasks of ``order_ids`` ran: whether each saw its order committed."""
+        wait_for(
+            lambda: set(order_ids) <= set(self.seen),
+            20,
+            f"the tasks of orders {order_ids} to run",
+            details=lambda: self.seen,
+        )
         return {i: self.seen[i] for i in order_ids}
 
 
@@ -129,9 +113,7 @@ def ship(app: Celery, dsn: str, schema: str) -> Iterator[Any]:
     def ship(order_id: int) -> None:
         with psycopg.connect(dsn) as conn:
             row = conn.execute(query, (order_id,)).fetchone()
-        with shipped.changed:
-            shipped.seen[order_id] = bool(row and row[0])
-            shipped.changed.notify_all()
+        shipped.seen[order_id] = bool(row and row[0])
 
     ship.shipped = shipped
     with start_worker(app, pool="threads", concurrency=2, perform_ping_check=False):
@@ -178,7 +160,7 @@ def test_commit_runs_the_task_after_the_order_is_committed(kind, dsn, schema, sh
         return results
 
     [result] = asyncio.run(place())
-    assert ship.shipped.wait(1) == {1: True}
+    assert ship.shipped.ran(1) == {1: True}
     assert result.id
 
 
@@ -196,7 +178,7 @@ def test_rollback_leaves_no_message_and_no_run(kind, dsn, schema, ship, messages
     assert messages() == []
     assert count_orders() == 0
     asyncio.run(place(2, fail=False))
-    assert ship.shipped.wait(2) == {2: True}
+    assert ship.shipped.ran(2) == {2: True}
     assert list(ship.shipped.seen) == [2]
 
 
@@ -214,7 +196,7 @@ def test_nested_rollback_drops_only_its_task(dsn, schema, ship, messages, count_
             await enqueue(session, ship.s(3))
 
     asyncio.run(place())
-    assert ship.shipped.wait(1, 3) == {1: True, 3: True}
+    assert ship.shipped.ran(1, 3) == {1: True, 3: True}
     assert 2 not in ship.shipped.seen
     assert count_orders() == 2
 
@@ -303,15 +285,11 @@ def test_producer_dying_before_commit_leaves_neither(dsn, schema, app, db, messa
     assert messages() == []
 
 
-def test_another_database_raises_configuration_error(dsn, schema, app, messages):
-    # another database of the same server (the embedded one has only postgres)
-    current = (conninfo_to_dict(dsn).get("dbname") if dsn else None) or "postgres"
-    elsewhere = make_conninfo(
-        dsn or "", dbname="template1" if current == "postgres" else "postgres"
-    )
-
+def test_another_database_raises_configuration_error(
+    dsn, other_database_dsn, schema, app, messages
+):
     async def place() -> None:
-        async with _engine(elsewhere) as engine, _handle(engine, "session") as session:
+        async with _engine(other_database_dsn) as engine, _handle(engine, "session") as session:
             with pytest.raises(kombu_pgqueue.ConfigurationError, match=schema):
                 await enqueue(session, app.signature("eco.ship", args=[1]))
 
@@ -338,7 +316,7 @@ def test_async_handles_are_refused_by_transaction(dsn, app, messages):
 
 async def _crash_producer(dsn: str, schema: str) -> None:
     """Insert an order and enqueue its task in one transaction, then die before commit."""
-    app = _app(dsn, schema)
+    app = celery_app(dsn, schema, main="crash", results=False)
     async with _engine(dsn) as engine, _handle(engine, "session") as session:
         await _insert_order(session, schema, 7)
         await enqueue(session, app.signature("eco.ship", args=[7]))

@@ -14,8 +14,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import threading
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -26,14 +24,14 @@ import psycopg
 import pytest
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
+from celery_apps import celery_app
 from django.conf import settings
 from django.db import connections, models, transaction
 from django.test.utils import CaptureQueriesContext
 from kombu import Producer
 from psycopg import sql
-from psycopg.conninfo import conninfo_to_dict, make_conninfo
+from waiting import wait_for
 
-import celery_pgqueue
 import celery_pgqueue.django
 import kombu_pgqueue
 
@@ -48,29 +46,15 @@ class Boom(Exception):
     """Raised inside an atomic block to roll it back."""
 
 
-def wait_for(condition: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while not (found := condition()):
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout}s waiting for {what}")
-        threading.Event().wait(0.05)
-    return found
-
-
-def _elsewhere(dsn: str) -> str:
-    """Another database of the same server (the embedded one has only postgres)."""
-    current = (conninfo_to_dict(dsn).get("dbname") if dsn else None) or "postgres"
-    return make_conninfo(dsn or "", dbname="template1" if current == "postgres" else "postgres")
-
-
-def _setup_django(dsn: str) -> None:
+def _setup_django(dsn: str, elsewhere: str) -> None:
+    """Django on ``dsn`` ("default") and ``elsewhere``, another database of its server."""
     if settings.configured:
         assert "elsewhere" in settings.DATABASES, "Django was configured by someone else"
         return
     settings.configure(
         DATABASES={
             "default": celery_pgqueue.django.database_settings(dsn),
-            "elsewhere": celery_pgqueue.django.database_settings(_elsewhere(dsn)),
+            "elsewhere": celery_pgqueue.django.database_settings(elsewhere),
             "lite": {"ENGINE": "django.db.backends.sqlite3", "NAME": ":memory:"},
         },
         INSTALLED_APPS=[],
@@ -91,8 +75,8 @@ def _order_model(table: str) -> type[models.Model]:
 
 
 @pytest.fixture(scope="module")
-def order_model(dsn: str) -> Iterator[type[models.Model]]:
-    _setup_django(dsn)
+def order_model(dsn: str, other_database_dsn: str) -> Iterator[type[models.Model]]:
+    _setup_django(dsn, other_database_dsn)
     model = _order_model(TABLE)
     with connections["default"].schema_editor() as editor:
         editor.create_model(model)
@@ -111,11 +95,7 @@ def Order(order_model: type[models.Model]) -> Iterator[Any]:  # noqa: N802 - a m
 
 @pytest.fixture
 def app(dsn: str, schema: str) -> Iterator[Celery]:
-    app = Celery(f"eco_{schema}", set_as_current=False)
-    celery_pgqueue.configure(
-        app, dsn or "postgresql://", results=False, schema=schema, polling_interval=0.5
-    )
-    app.conf.update(worker_hijack_root_logger=False, task_default_queue="celery")
+    app = celery_app(dsn, schema, main=f"eco_{schema}", results=False)
     with app.connection_for_write() as conn:
         conn.default_channel  # noqa: B018 - connecting migrates the schema
     yield app
@@ -127,12 +107,15 @@ class Shipped:
 
     def __init__(self) -> None:
         self.seen: dict[int, bool] = {}
-        self.changed = threading.Condition()
 
-    def wait(self, *order_ids: int) -> dict[int, bool]:
-        with self.changed:
-            ok = self.changed.wait_for(lambda: set(order_ids) <= set(self.seen), 20)
-        assert ok, f"tasks for {order_ids} did not run; ran: {self.seen}"
+    def ran(self, *order_ids: int) -> dict[int, bool]:
+        """Once the tasks of ``order_ids`` ran: whether each saw its order committed."""
+        wait_for(
+            lambda: set(order_ids) <= set(self.seen),
+            20,
+            f"the tasks of orders {order_ids} to run",
+            details=lambda: self.seen,
+        )
         return {i: self.seen[i] for i in order_ids}
 
 
@@ -145,9 +128,7 @@ def ship(app: Celery, dsn: str, Order: Any) -> Iterator[Any]:  # noqa: N803
     def ship(order_id: int) -> None:
         with psycopg.connect(dsn) as conn:
             row = conn.execute(query, (order_id,)).fetchone()
-        with shipped.changed:
-            shipped.seen[order_id] = bool(row and row[0])
-            shipped.changed.notify_all()
+        shipped.seen[order_id] = bool(row and row[0])
 
     ship.shipped = shipped
     with start_worker(app, pool="threads", concurrency=2, perform_ping_check=False):
@@ -190,7 +171,7 @@ def test_commit_runs_the_task_after_the_order_is_committed(ship, Order, messages
         # written by Django's cursor, in this transaction; nobody else sees it yet
         assert any("INSERT INTO" in q["sql"] and "message" in q["sql"] for q in queries)
         assert messages() == []
-    assert ship.shipped.wait(order.pk) == {order.pk: True}
+    assert ship.shipped.ran(order.pk) == {order.pk: True}
 
 
 def test_rollback_leaves_no_message_and_no_run(ship, Order, messages):  # noqa: N803
@@ -205,7 +186,7 @@ def test_rollback_leaves_no_message_and_no_run(ship, Order, messages):  # noqa: 
     with transaction.atomic(), kombu_pgqueue.transaction(connections["default"]):
         kept = Order.objects.create(item="pen")
         ship.delay(kept.pk)
-    assert ship.shipped.wait(kept.pk) == {kept.pk: True}
+    assert ship.shipped.ran(kept.pk) == {kept.pk: True}
     assert list(ship.shipped.seen) == [kept.pk]
 
 
@@ -221,7 +202,7 @@ def test_enlist_atomic_joins_every_atomic_block(ship, Order, messages, enlisted)
         after = Order.objects.create(item="after")
         ship.delay(after.pk)
         assert messages() == []
-    assert ship.shipped.wait(outer.pk, after.pk) == {outer.pk: True, after.pk: True}
+    assert ship.shipped.ran(outer.pk, after.pk) == {outer.pk: True, after.pk: True}
     assert inner.pk not in ship.shipped.seen
     assert sorted(Order.objects.values_list("item", flat=True)) == ["after", "outer"]
 
@@ -257,10 +238,18 @@ def test_publish_errors_are_pgqueues_own(app, Order, messages):  # noqa: N803
 # -- crash, other databases ------------------------------------------------------------
 
 
-def test_producer_dying_before_commit_leaves_neither(dsn, schema, app, Order, db, messages):  # noqa: N803
+def test_producer_dying_before_commit_leaves_neither(
+    dsn,
+    other_database_dsn,
+    schema,
+    app,
+    Order,
+    db,
+    messages,  # noqa: N803
+):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parents[2]), *sys.path])}
     done = subprocess.run(
-        [sys.executable, str(HERE), dsn, schema, TABLE],
+        [sys.executable, str(HERE), dsn, schema, TABLE, other_database_dsn],
         capture_output=True,
         text=True,
         env=env,
@@ -327,7 +316,7 @@ def test_dsn_names_djangos_database(Order, db):  # noqa: N803
 def test_example_project_demo(dsn, schema):
     done = subprocess.run(
         [sys.executable, str(EXAMPLE / "manage.py"), "demo"],
-        env={**os.environ, "PGQUEUE_DSN": dsn or "postgresql://", "PGQUEUE_SCHEMA": schema},
+        env={**os.environ, "PGQUEUE_DSN": dsn, "PGQUEUE_SCHEMA": schema},
         capture_output=True,
         text=True,
         timeout=110,
@@ -336,13 +325,12 @@ def test_example_project_demo(dsn, schema):
     assert "4/4 checks passed" in done.stdout, (done.stdout, done.stderr)
 
 
-def _crash_producer(dsn: str, schema: str, table: str) -> None:
+def _crash_producer(dsn: str, schema: str, table: str, elsewhere: str) -> None:
     """Create an order and enqueue its task in one atomic block, then die before commit."""
-    _setup_django(dsn)
+    _setup_django(dsn, elsewhere)
     order_model: Any = _order_model(table)
     celery_pgqueue.django.enlist_atomic()
-    app = Celery("crash", set_as_current=False)
-    celery_pgqueue.configure(app, dsn or "postgresql://", results=False, schema=schema)
+    app = celery_app(dsn, schema, main="crash", results=False)
     conn = connections["default"]
     with transaction.atomic():
         order = order_model.objects.create(item="doomed")
@@ -357,4 +345,4 @@ def _crash_producer(dsn: str, schema: str, table: str) -> None:
 
 
 if __name__ == "__main__":
-    _crash_producer(*sys.argv[1:4])
+    _crash_producer(*sys.argv[1:5])

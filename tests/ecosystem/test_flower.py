@@ -12,44 +12,37 @@ import socket
 import subprocess
 import sys
 import textwrap
-import threading
-import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 from celery import Celery
-
-import celery_pgqueue
+from celery_apps import celery_app
+from waiting import Process, wait_for
 
 pytestmark = pytest.mark.celery
 
-T = TypeVar("T")
-
 WORKER = "pgqueue-flower@localhost"
 DEADLINE = 90.0
-# never set: waiting on it paces the polls without sleeping
-_pause = threading.Event()
+#: the probes of a server that is still starting raise these: refused, reset, half a body
+NOT_UP_YET = (OSError, ValueError)
 
 APP_MODULE = """
 import os
 
-from celery import Celery
+from celery_apps import celery_app
 
-import celery_pgqueue
-
-app = Celery("flowerapp")
-celery_pgqueue.configure(
-    app,
+app = celery_app(
     os.environ["FLOWER_TEST_DSN"],
+    os.environ["FLOWER_TEST_SCHEMA"],
+    main="flowerapp",
     results=False,
-    schema=os.environ["FLOWER_TEST_SCHEMA"],
     polling_interval=1.0,
+    conf={"task_send_sent_event": True, "worker_hijack_root_logger": True},
 )
-app.conf.task_send_sent_event = True
 
 
 @app.task(shared=False, name="flowerapp.add")
@@ -61,22 +54,6 @@ def add(x, y):
 def fail():
     raise ValueError("boom")
 """
-
-
-def wait_for(what: str, probe: Callable[[], T | None], logs: list[Path]) -> T:
-    """Call ``probe`` until it returns something truthy; fail with the logs at the deadline."""
-    deadline = time.monotonic() + DEADLINE
-    last: object = None
-    while time.monotonic() < deadline:
-        try:
-            found = probe()
-        except (OSError, ValueError) as exc:  # not up yet: refused, reset, half a body
-            found, last = None, exc
-        if found:
-            return found
-        _pause.wait(0.25)
-    tails = "\n".join(f"--- {log.name}\n{log.read_text()[-3000:]}" for log in logs)
-    pytest.fail(f"no {what} within {DEADLINE:.0f} s (last error: {last!r})\n{tails}")
 
 
 def free_port() -> int:
@@ -126,81 +103,90 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
 def flower_env(dsn: str, schema: str, tmp_path: Path) -> dict[str, str]:
     (tmp_path / "flowerapp.py").write_text(textwrap.dedent(APP_MODULE))
     env = dict(os.environ)
+    tests = str(Path(__file__).resolve().parents[1])  # celery_apps
     env.update(
-        FLOWER_TEST_DSN=dsn or "postgresql://",
+        FLOWER_TEST_DSN=dsn,
         FLOWER_TEST_SCHEMA=schema,
-        PYTHONPATH=os.pathsep.join(filter(None, [str(tmp_path), env.get("PYTHONPATH")])),
+        PYTHONPATH=os.pathsep.join(filter(None, [str(tmp_path), tests, env.get("PYTHONPATH")])),
         # Flower 2 answers /api/* with 401 unless auth is set up or this is set
         FLOWER_UNAUTHENTICATED_API="true",
     )
     return env
 
 
-def spawn(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+def spawn(name: str, args: list[str], env: dict[str, str], log: Path) -> Process:
     with log.open("wb") as out:
-        return subprocess.Popen(
+        proc = subprocess.Popen(
             [sys.executable, "-m", *args],
             cwd=log.parent,
             env=env,
             stdout=out,
             stderr=subprocess.STDOUT,
         )
+    return Process(name, proc, log)
 
 
 @pytest.fixture
-def worker(flower_env: dict[str, str], tmp_path: Path) -> Iterator[Path]:
-    log = tmp_path / "worker.log"
-    proc = spawn(
+def worker(flower_env: dict[str, str], tmp_path: Path) -> Iterator[Process]:
+    worker = spawn(
+        "worker",
         ["celery", "-A", "flowerapp", "worker", "-E", "-P", "threads", "-c", "2",
          "-n", WORKER, "--without-mingle", "--without-gossip", "-l", "info"],
         flower_env,
-        log,
+        tmp_path / "worker.log",
     )  # fmt: skip
     try:
-        yield log
+        yield worker
     finally:
-        stop(proc)
+        stop(worker.proc)
 
 
 @pytest.fixture
-def flower(flower_env: dict[str, str], tmp_path: Path) -> Iterator[tuple[str, Path]]:
-    log = tmp_path / "flower.log"
+def flower(flower_env: dict[str, str], tmp_path: Path) -> Iterator[tuple[str, Process]]:
     port = free_port()
-    proc = spawn(
+    flower = spawn(
+        "flower",
         ["celery", "-A", "flowerapp", "flower", f"--port={port}", "--address=127.0.0.1"],
         flower_env,
-        log,
+        tmp_path / "flower.log",
     )
     base = f"http://127.0.0.1:{port}"
     try:
-        wait_for("Flower", lambda: get_status(base + "/healthcheck") == (200, "OK"), [log])
-        yield base, log
+        wait_for(
+            lambda: get_status(base + "/healthcheck") == (200, "OK"),
+            DEADLINE,
+            "Flower to answer /healthcheck",
+            flower,
+            ignore=NOT_UP_YET,
+        )
+        yield base, flower
     finally:
-        stop(proc)
+        stop(flower.proc)
 
 
 @pytest.fixture
-def producer(flower_env: dict[str, str]) -> Iterator[Celery]:
-    app = Celery("flower-producer", set_as_current=False)
-    celery_pgqueue.configure(
-        app,
-        flower_env["FLOWER_TEST_DSN"],
+def producer(dsn: str, schema: str) -> Iterator[Celery]:
+    app = celery_app(
+        dsn,
+        schema,
+        main="flower-producer",
         results=False,
-        schema=flower_env["FLOWER_TEST_SCHEMA"],
+        conf={"task_send_sent_event": True},
     )
-    app.conf.task_send_sent_event = True
     yield app
     app.close()
 
 
 def test_flower_shows_the_worker_and_its_tasks(
-    worker: Path, flower: tuple[str, Path], producer: Celery
+    worker: Process, flower: tuple[str, Process], producer: Celery
 ) -> None:
-    base, flower_log = flower
-    logs = [worker, flower_log]
+    base, flower_process = flower
+    watched = (worker, flower_process)
 
     # the worker, as Flower's inspect broadcast (a fanout exchange in PostgreSQL) finds it
-    info = wait_for("worker in /api/workers", lambda: inspected(base), logs)
+    info = wait_for(
+        lambda: inspected(base), DEADLINE, "the worker in /api/workers", *watched, ignore=NOT_UP_YET
+    )
     assert {"flowerapp.add", "flowerapp.fail"} <= set(info["registered"])
     assert [q["name"] for q in info["active_queues"]] == ["celery"]
     assert info["stats"]["broker"]["transport"] == "pgqueue"
@@ -218,7 +204,9 @@ def test_flower_shows_the_worker_and_its_tasks(
         }
         return tasks if set(adds) | {failed} <= set(ready) else None
 
-    tasks = wait_for("finished tasks in /api/tasks", all_done, logs)
+    tasks = wait_for(
+        all_done, DEADLINE, "the finished tasks in /api/tasks", *watched, ignore=NOT_UP_YET
+    )
     for uuid, total in adds.items():
         task = tasks[uuid]
         assert (task["name"], task["state"], task["worker"]) == ("flowerapp.add", "SUCCESS", WORKER)
@@ -239,10 +227,14 @@ def test_flower_shows_the_worker_and_its_tasks(
     assert 'flower_events_total{task="flowerapp.add",type="task-succeeded"' in metrics
 
 
-def test_flower_remote_control_reaches_the_worker(worker: Path, flower: tuple[str, Path]) -> None:
-    base, flower_log = flower
-    logs = [worker, flower_log]
-    wait_for("worker in /api/workers", lambda: inspected(base), logs)
+def test_flower_remote_control_reaches_the_worker(
+    worker: Process, flower: tuple[str, Process]
+) -> None:
+    base, flower_process = flower
+    watched = (worker, flower_process)
+    wait_for(
+        lambda: inspected(base), DEADLINE, "the worker in /api/workers", *watched, ignore=NOT_UP_YET
+    )
 
     reply = post_json(f"{base}/api/worker/queue/add-consumer/{WORKER}?queue=extra")
     assert "extra" in reply["message"]
@@ -251,11 +243,13 @@ def test_flower_remote_control_reaches_the_worker(worker: Path, flower: tuple[st
         info = inspected(base) or {}
         return "extra" in {q["name"] for q in info.get("active_queues", [])}
 
-    wait_for("the new queue in active_queues", consumes_extra, logs)
+    wait_for(
+        consumes_extra, DEADLINE, "the new queue in active_queues", *watched, ignore=NOT_UP_YET
+    )
 
 
 def test_flower_broker_views_say_pgqueue_is_not_supported_and_flower_lives_on(
-    worker: Path, flower: tuple[str, Path]
+    worker: Process, flower: tuple[str, Process]
 ) -> None:
     base, _ = flower
     # Flower knows queue lengths of RabbitMQ and Redis only; for any other transport

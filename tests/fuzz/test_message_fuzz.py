@@ -23,8 +23,6 @@ from __future__ import annotations
 import json
 import logging
 import re
-import threading
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -33,13 +31,14 @@ import psycopg
 import pytest
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
+from celery_apps import celery_app
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from kombu import Connection, Consumer, Exchange, Producer, Queue
 from kombu.transport.virtual.exchange import TopicExchange
 from psycopg import sql
+from waiting import wait_for
 
-import celery_pgqueue
 from kombu_pgqueue import ConfigurationError, PgQueueError
 
 FUZZ = settings(
@@ -141,24 +140,20 @@ def _dead(db: psycopg.Connection, schema: str, queue: str) -> list[str]:
     ]
 
 
-def _wait(condition: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while not (found := condition()):
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout}s waiting for {what}")
-        threading.Event().wait(0.05)
-    return found
+def _draining(conn: Connection, done: Callable[[], bool]) -> Callable[[], bool]:
+    """A condition for ``wait_for``: ``done()``, after up to 1 s of ``drain_events`` on
+    ``conn`` at each look (a consumer delivers only while its connection is drained)."""
 
-
-def _drain_until(conn: Connection, done: Callable[[], bool], timeout: float = 15) -> None:
-    deadline = time.monotonic() + timeout
-    while not done():
-        if time.monotonic() > deadline:
-            pytest.fail("the consumer stopped delivering")
+    def delivered() -> bool:
+        if done():
+            return True
         try:
             conn.drain_events(timeout=1)
         except TimeoutError:
             pass
+        return done()
+
+    return delivered
 
 
 # -- Kombu consumers -----------------------------------------------------------------------
@@ -202,7 +197,11 @@ def test_kombu_consumer_survives_any_body_under_any_content_type(
         on_decode_error=on_decode_error,
         accept=["json", "application/data", "text/plain"],
     ):
-        _drain_until(connection, lambda: len(decoded) + len(errors) >= 2)
+        wait_for(
+            _draining(connection, lambda: len(decoded) + len(errors) >= 2),
+            15,
+            "the bad message and the sentinel delivered or refused",
+        )
 
     assert {"sentinel": True} in decoded  # the loop kept going past the bad message
     assert len(decoded) + len(errors) == 2
@@ -268,7 +267,11 @@ def test_odd_headers_priorities_and_huge_properties_are_stored_or_refused_clearl
     assert all(0 <= p <= 255 for (p,) in stored_priorities)  # clamped in the row
     got: list[Any] = []
     with Consumer(connection, [Queue(queue)], callbacks=[lambda b, m: (got.append(m), m.ack())]):
-        _drain_until(connection, lambda: any(m.body == b"sentinel" for m in got))
+        wait_for(
+            _draining(connection, lambda: any(m.body == b"sentinel" for m in got)),
+            15,
+            "the sentinel delivered",
+        )
     stored = [m for m in got if m.body == b"odd"]
     for message in stored:
         assert message.headers == headers
@@ -299,7 +302,7 @@ def test_generated_queue_and_exchange_names_round_trip(
             {"via": "exchange"}, exchange=exchange_name, routing_key=queue_name
         )
         Producer(connection).publish({"via": "default"}, routing_key=queue_name)
-        _drain_until(connection, lambda: len(got) >= 2)
+        wait_for(_draining(connection, lambda: len(got) >= 2), 15, "both messages delivered")
 
     assert sorted(b["via"] for b in got) == ["default", "exchange"]
     assert _left(db, schema, queue_name) == 0
@@ -393,33 +396,24 @@ class _Errors(logging.Handler):
 
 
 @pytest.fixture
-def celery_app(dsn: str, schema: str) -> Iterator[Celery]:
-    app = Celery(f"fuzz_{schema}", set_as_current=False)
-    celery_pgqueue.configure(
-        app,
-        dsn or "postgresql://",
+def app(dsn: str, schema: str) -> Iterator[Celery]:
+    app = celery_app(
+        dsn,
+        schema,
+        main=f"fuzz_{schema}",
         results=False,
-        schema=schema,
-        polling_interval=0.5,
-        visibility_timeout=10,
         max_attempts=3,
-    )
-    app.conf.update(
-        task_default_queue="celery",
-        task_acks_late=True,
-        task_ignore_result=True,
-        worker_hijack_root_logger=False,
-        broker_connection_retry_on_startup=True,
+        conf={"task_acks_late": True, "task_ignore_result": True},
     )
     yield app
     app.close()
 
 
 @pytest.fixture
-def fuzz_worker(celery_app: Celery) -> Iterator[tuple[Celery, list[str], _Errors]]:
+def fuzz_worker(app: Celery) -> Iterator[tuple[Celery, list[str], _Errors]]:
     ran: list[str] = []
 
-    @celery_app.task(name="fuzz.ok", shared=False)
+    @app.task(name="fuzz.ok", shared=False)
     def ok(tag: str) -> None:
         ran.append(tag)
 
@@ -428,14 +422,14 @@ def fuzz_worker(celery_app: Celery) -> Iterator[tuple[Celery, list[str], _Errors
     celery_logger.addHandler(errors)
     try:
         with start_worker(
-            celery_app,
+            app,
             pool="threads",
             concurrency=2,
             perform_ping_check=False,
             shutdown_timeout=30,
             loglevel="WARNING",
         ) as worker:
-            yield celery_app, ran, errors
+            yield app, ran, errors
             assert worker.blueprint.state == 1  # RUN: the worker is still running
     finally:
         celery_logger.removeHandler(errors)
@@ -499,7 +493,7 @@ def test_celery_worker_survives_bodies_invalid_for_their_content_type(
         )
     app.send_task("fuzz.ok", (marker,))
 
-    _wait(lambda: marker in ran, 30, "the well-formed task after the bad message")
+    wait_for(lambda: marker in ran, 30, "the well-formed task after the bad message")
 
     def settled() -> bool:
         # the bad message is gone: run, dead-lettered or dropped with a logged error
@@ -512,7 +506,7 @@ def test_celery_worker_survives_bodies_invalid_for_their_content_type(
         )
         return left == 0
 
-    _wait(settled, 30, "the bad message to be dealt with")
+    wait_for(settled, 30, "the bad message to be dealt with")
     dead = len(_dead(db, schema, "celery")) - dead_before
     reported = len(errors.records) - before
     executed = len(ran) - ran_before - 1

@@ -10,10 +10,5 @@ from kombu_pgqueue._monitor import Monitor
 
 
 @pytest.fixture
-def celery_dsn(dsn: str) -> str:
-    return dsn or "postgresql://"
-
-
-@pytest.fixture
 def monitor(connection: Connection) -> Monitor:
     return Monitor(connection.default_channel.store)

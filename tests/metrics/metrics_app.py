@@ -1,24 +1,32 @@
 """The Celery app that the metrics tests run in real processes, and their helpers.
 
 ``celery -A metrics_app worker|pgqueue ...`` builds the app from ``PGQUEUE_DSN`` and
-``PGQUEUE_SCHEMA``; the worker serves metrics on ``--pgqueue-metrics-port``, with the
-queue gauges, through :func:`celery_pgqueue.metrics.install`.
+``PGQUEUE_SCHEMA`` (see :func:`process_env`); the worker serves metrics on
+``--pgqueue-metrics-port``, with the queue gauges, through
+:func:`celery_pgqueue.metrics.install`. Its task ``metrics.hold`` runs until its gate
+is opened (a row in the schema's ``gate`` table, see :func:`create_gates`), or at once.
 """
 
 from __future__ import annotations
 
 import os
-import threading
-import time
 import urllib.request
-from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+import psycopg
 from celery import Celery
+from celery_apps import celery_app
 from prometheus_client.parser import text_string_to_metric_families
+from psycopg import sql
+from waiting import wait_for
 
-import celery_pgqueue
 from celery_pgqueue import metrics
+
+HERE = Path(__file__).resolve().parent
+
+#: how long a held task waits for its gate (it must never outlive a test)
+GATE_LIMIT = 60.0
 
 #: {(sample name, sorted labels): value}
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
@@ -42,41 +50,56 @@ def value(samples: Samples, name: str, **labels: str) -> float | None:
     return samples.get((name, tuple(sorted(labels.items()))))
 
 
-def wait_for(condition: Callable[[], Any], timeout: float, what: str) -> Any:
-    """Poll ``condition`` until it is truthy, at most ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        found = condition()
-        if found:
-            return found
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        threading.Event().wait(0.1)
+def process_env(dsn: str, schema: str) -> dict[str, str]:
+    """The environment of a ``celery -A metrics_app ...`` process (or of an exporter)."""
+    path = [str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")]
+    return {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(path).rstrip(os.pathsep),
+        "PGQUEUE_DSN": dsn,
+        "PGQUEUE_SCHEMA": schema,
+    }
+
+
+def create_gates(conn: psycopg.Connection, schema: str) -> None:
+    """The gate table of ``metrics.hold`` in ``schema`` (which must exist)."""
+    conn.execute(sql.SQL("CREATE TABLE {} (name text PRIMARY KEY)").format(_gates(schema)))
+
+
+def open_gate(conn: psycopg.Connection, schema: str, name: str) -> None:
+    conn.execute(sql.SQL("INSERT INTO {} (name) VALUES (%s)").format(_gates(schema)), (name,))
+
+
+def _gates(schema: str) -> sql.Identifier:
+    return sql.Identifier(schema, "gate")
 
 
 def make_app(dsn: str, schema: str) -> Celery:
-    app = Celery("metrics_app", set_as_current=False)
-    celery_pgqueue.configure(
-        app,
+    app = celery_app(
         dsn,
+        schema,
+        main="metrics_app",
         results=False,
-        schema=schema,
-        polling_interval=0.5,
         visibility_timeout=3,
         lease_renewal_interval=0.2,
-    )
-    app.conf.update(
-        task_acks_late=True,
-        task_ignore_result=True,
-        task_default_queue="celery",
-        worker_prefetch_multiplier=1,
+        conf={
+            "task_acks_late": True,
+            "task_ignore_result": True,
+            "worker_prefetch_multiplier": 1,
+            # the worker process logs where its metrics are served
+            "worker_hijack_root_logger": True,
+        },
     )
     metrics.install(app, queues=True, min_interval=0.5)
 
-    @app.task(name="metrics.pause", shared=False)
-    def pause(seconds: float) -> float:
-        threading.Event().wait(seconds)
-        return seconds
+    @app.task(name="metrics.hold", shared=False)
+    def hold(gate: str | None = None) -> None:
+        """Run until gate ``gate`` is opened (:func:`open_gate`); without one, at once."""
+        if gate is None:
+            return
+        query = sql.SQL("SELECT 1 FROM {} WHERE name = %s").format(_gates(schema))
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            wait_for(lambda: conn.execute(query, (gate,)).fetchone(), GATE_LIMIT, f"gate {gate!r}")
 
     return app
 

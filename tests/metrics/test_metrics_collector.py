@@ -7,8 +7,9 @@ import os
 from typing import Any
 
 from kombu import Connection
-from metrics_app import Samples, parse, scrape, value, wait_for
+from metrics_app import Samples, parse, scrape, value
 from prometheus_client import CollectorRegistry, generate_latest
+from waiting import wait_for
 
 from celery_pgqueue.metrics import PgQueueCollector, serve
 from kombu_pgqueue._monitor import Monitor

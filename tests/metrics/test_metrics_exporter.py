@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from metrics_app import scrape, value
+from metrics_app import process_env, scrape, value
 
 from kombu_pgqueue._store import Outgoing
 
@@ -22,23 +22,17 @@ Start = Callable[..., str]
 
 
 @pytest.fixture
-def start(celery_dsn: str, tmp_path: Path) -> Iterator[Start]:
+def start(dsn: str, tmp_path: Path) -> Iterator[Start]:
     """``start(*argv, schema=...)``: run an exporter; return its /metrics URL."""
     started: list[subprocess.Popen[str]] = []
 
     def start(*argv: str, schema: str) -> str:
-        env = {
-            **os.environ,
-            "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
-            "PGQUEUE_DSN": celery_dsn,
-            "PGQUEUE_SCHEMA": schema,
-        }
         log_path = tmp_path / f"exporter-{len(started)}.err"
         with open(log_path, "w") as errors:
             proc = subprocess.Popen(
                 [sys.executable, *argv],
                 cwd=HERE,
-                env=env,
+                env=process_env(dsn, schema),
                 stdout=subprocess.PIPE,
                 stderr=errors,
                 text=True,
@@ -124,12 +118,12 @@ def test_celery_pgqueue_metrics_command_with_another_schema(start, known_state, 
     assert_known_state(url, schema)
 
 
-def test_python_m_celery_pgqueue_metrics(start, known_state, schema, celery_dsn):
+def test_python_m_celery_pgqueue_metrics(start, known_state, schema, dsn):
     url = start(
         "-m",
         "celery_pgqueue.metrics",
         "--dsn",
-        celery_dsn,
+        dsn,
         "--schema",
         schema,
         "--port",
@@ -140,12 +134,12 @@ def test_python_m_celery_pgqueue_metrics(start, known_state, schema, celery_dsn)
     assert_known_state(url, schema)
 
 
-def test_an_exporter_on_a_missing_schema_reports_down(start, schema, celery_dsn, db):
+def test_an_exporter_on_a_missing_schema_reports_down(start, schema, dsn, db):
     url = start(
         "-m",
         "celery_pgqueue.metrics",
         "--dsn",
-        celery_dsn,
+        dsn,
         "--schema",
         schema,
         "--port",

@@ -12,8 +12,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import psycopg
 import pytest
-from metrics_app import Samples, make_app, scrape, value, wait_for
+from metrics_app import Samples, create_gates, make_app, open_gate, process_env, scrape, value
+from waiting import Process, wait_for
 
 import kombu_pgqueue
 
@@ -23,14 +25,8 @@ HERE = Path(__file__).resolve().parent
 
 
 @contextmanager
-def running_worker(celery_dsn: str, schema: str, log_path: Path) -> Iterator[Path]:
+def running_worker(dsn: str, schema: str, log_path: Path) -> Iterator[Process]:
     """A prefork worker with ``--pgqueue-metrics-port 0``, stopped warmly at the end."""
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
-        "PGQUEUE_DSN": celery_dsn,
-        "PGQUEUE_SCHEMA": schema,
-    }
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
             [
@@ -55,13 +51,13 @@ def running_worker(celery_dsn: str, schema: str, log_path: Path) -> Iterator[Pat
                 "0",
             ],
             cwd=HERE,
-            env=env,
+            env=process_env(dsn, schema),
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
     try:
-        yield log_path
+        yield Process("worker", proc, log_path)
         proc.send_signal(signal.SIGTERM)  # warm shutdown: the step stops its server
         assert proc.wait(timeout=30) == 0, log_path.read_text()[-3000:]
     finally:
@@ -73,29 +69,40 @@ def running_worker(celery_dsn: str, schema: str, log_path: Path) -> Iterator[Pat
 
 
 @pytest.fixture
-def worker_log(celery_dsn: str, schema: str, tmp_path: Path) -> Iterator[Path]:
-    kombu_pgqueue.migrate(celery_dsn, schema)
-    with running_worker(celery_dsn, schema, tmp_path / "worker.log") as log_path:
-        yield log_path
+def worker(dsn: str, schema: str, db: psycopg.Connection, tmp_path: Path) -> Iterator[Process]:
+    kombu_pgqueue.migrate(dsn, schema)
+    create_gates(db, schema)
+    with running_worker(dsn, schema, tmp_path / "worker.log") as worker:
+        yield worker
 
 
-def served_port(log_path: Path) -> int:
+def served_port(worker: Process) -> int:
     def found() -> int | None:
-        match = re.search(r"pgqueue metrics on http://[^:]+:(\d+)/metrics", log_path.read_text())
+        match = re.search(r"pgqueue metrics on http://[^:]+:(\d+)/metrics", worker.log())
         return int(match[1]) if match else None
 
-    return int(wait_for(found, 60, "the worker's metrics server"))
+    return int(wait_for(found, 60, "the worker's metrics server", worker))
 
 
-def test_worker_serves_its_counters_and_the_queue_gauges(worker_log, celery_dsn, schema):
-    app = make_app(celery_dsn, schema)
+def test_worker_serves_its_counters_and_the_queue_gauges(worker, dsn, schema, db):
+    app = make_app(dsn, schema)
     try:
-        app.send_task("metrics.pause", (1.0,))  # held across several renewals (every 0.2 s)
+        app.send_task("metrics.hold", ("held",))  # held until its lease was renewed
         for _ in range(3):
-            app.send_task("metrics.pause", (0.0,))
+            app.send_task("metrics.hold")
     finally:
         app.close()
-    url = f"http://127.0.0.1:{served_port(worker_log)}/metrics"
+    url = f"http://127.0.0.1:{served_port(worker)}/metrics"
+
+    try:
+        wait_for(
+            lambda: (value(scrape(url), "pgqueue_lease_renewals_total") or 0) >= 1,
+            60,
+            "the held task's lease renewed (every 0.2 s), seen through the metrics",
+            worker,
+        )
+    finally:
+        open_gate(db, schema, "held")  # and the worker can stop warmly, whatever happened
 
     def all_done() -> Samples | None:
         samples = scrape(url)
@@ -107,7 +114,7 @@ def test_worker_serves_its_counters_and_the_queue_gauges(worker_log, celery_dsn,
         )
         return samples if done else None
 
-    samples = wait_for(all_done, 60, "4 tasks claimed and acked, seen through the metrics")
+    samples = wait_for(all_done, 60, "4 tasks claimed and acked, seen through the metrics", worker)
 
     assert value(samples, "pgqueue_lease_renewals_total") >= 1
     assert value(samples, "pgqueue_redelivered_total", queue="celery") == 0

@@ -1,4 +1,5 @@
-"""Spark fixtures: one local SparkSession for the whole test session, and a Celery app.
+"""Spark fixtures: one local SparkSession for the whole test session (the Celery
+``app`` is the one of ``tests/conftest.py``).
 
 Spark takes seconds to start, so every test shares one session. Its master is
 ``local[2,4]``: two cores, and up to four attempts per task (local masters ignore
@@ -13,9 +14,6 @@ from collections.abc import Iterator
 
 import celery.contrib.testing.tasks  # noqa: F401 - registers celery.ping for start_worker
 import pytest
-from celery import Celery
-
-import celery_pgqueue
 
 
 @pytest.fixture(scope="session")
@@ -44,24 +42,3 @@ def spark() -> Iterator[object]:
 def transfer(request: pytest.FixtureRequest) -> str:
     """How rows reach Python: Arrow batches, or pickled rows (without pyarrow/pandas)."""
     return str(request.param)
-
-
-@pytest.fixture
-def celery_dsn(dsn: str) -> str:
-    return dsn or "postgresql://"
-
-
-@pytest.fixture
-def app(celery_dsn: str, schema: str) -> Iterator[Celery]:
-    app = Celery(f"spark_{schema}", set_as_current=False)
-    celery_pgqueue.configure(
-        app, celery_dsn, schema=schema, polling_interval=0.5, visibility_timeout=10
-    )
-    app.conf.update(
-        task_default_queue="celery",
-        worker_hijack_root_logger=False,
-        result_backend_always_retry=False,
-        database_short_lived_sessions=True,
-    )
-    yield app
-    app.close()

@@ -12,7 +12,6 @@ from collections import Counter
 from datetime import datetime, timedelta, timezone
 from decimal import Decimal
 from pathlib import Path
-from time import monotonic
 from typing import Any
 
 import psycopg
@@ -20,6 +19,7 @@ import pytest
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
 from psycopg import sql
+from waiting import wait_for
 
 from celery_pgqueue.messages import TaskMessageFactory
 from celery_pgqueue.spark import (
@@ -35,16 +35,6 @@ from kombu_pgqueue._store import Store
 
 TASK = "spark_test.record"
 DEMO = Path(__file__).resolve().parents[2] / "examples" / "spark_demo.py"
-
-
-def _wait(condition, timeout: float = 60.0) -> bool:
-    deadline = monotonic() + timeout
-    tick = threading.Event()
-    while not condition():
-        if monotonic() > deadline:
-            return False
-        tick.wait(0.1)
-    return True
 
 
 def _messages(db: psycopg.Connection, schema: str) -> list[dict[str, Any]]:
@@ -124,7 +114,7 @@ def test_enqueued_rows_are_the_factory_messages(spark, dsn, schema, db, transfer
 
 @pytest.mark.celery
 def test_a_real_worker_runs_each_row_once_with_its_arguments(
-    spark, app, celery_dsn, schema, db, transfer
+    spark, app, dsn, schema, db, transfer
 ) -> None:
     from pyspark.sql import functions as F
 
@@ -151,14 +141,19 @@ def test_a_real_worker_runs_each_row_once_with_its_arguments(
             args=["url", "n"],
             kwargs=["tag", "meta", "raw"],
             dedup_key="url",
-            dsn=celery_dsn,
+            dsn=dsn,
             schema=schema,
             app=app,
             transfer=transfer,
         )
         assert (summary.enqueued, summary.skipped, summary.bad) == (rows, 0, 0)
         count = sql.SQL("SELECT count(*) FROM {}.message").format(sql.Identifier(schema))
-        assert _wait(lambda: len(calls) >= rows and db.execute(count).fetchone()[0] == 0)
+        wait_for(
+            lambda: len(calls) >= rows and db.execute(count).fetchone()[0] == 0,
+            60,
+            f"the worker to run all {rows} rows' tasks and ack them",
+            details=lambda: (len(calls), db.execute(count).fetchone()[0]),
+        )
     want = [(f"u-{n}", n, str(n % 3), n, "x", f"u-{n}".encode()) for n in range(rows)]
     assert Counter(calls) == Counter(want)
     assert max(Counter(calls).values()) == 1
@@ -381,11 +376,11 @@ def test_dead_letters_and_queue_stats_as_dataframes(spark, dsn, schema) -> None:
 
 @pytest.mark.celery
 @pytest.mark.slow
-def test_the_spark_demo_passes_every_check(celery_dsn: str) -> None:
+def test_the_spark_demo_passes_every_check(dsn: str) -> None:
     # the README's example on 2,000 rows instead of 100,000; its own Spark and worker
     done = subprocess.run(
         [sys.executable, str(DEMO)],
-        env={**os.environ, "PGQUEUE_DSN": celery_dsn, "SPARK_DEMO_ROWS": "2000"},
+        env={**os.environ, "PGQUEUE_DSN": dsn, "SPARK_DEMO_ROWS": "2000"},
         capture_output=True,
         text=True,
         timeout=110,

@@ -1,7 +1,7 @@
 """Fixtures for transactional enqueue, dedup keys and bulk sends.
 
-``app`` is a Celery app on the test schema (as in ``tests/workers``); ``engine`` is
-a SQLAlchemy engine on the test database; ``rows`` reads the message table from a
+``app`` (``tests/conftest.py``) is a Celery app on the test schema; ``engine`` is a
+SQLAlchemy engine on the test database; ``rows`` reads the message table from a
 connection of its own, so what it sees is what other sessions see.
 """
 
@@ -12,32 +12,30 @@ from typing import Any
 
 import psycopg
 import pytest
-from celery import Celery
 from kombu import Connection
 from psycopg import sql
-from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from sqlalchemy import create_engine
 from sqlalchemy.engine import Engine
-from tx_helpers import make_app
 
 import celery_pgqueue
 
 
 @pytest.fixture
 def celery_dsn(dsn: str) -> str:
-    return dsn or "postgresql://"
+    """``dsn`` under the name ``test_dedup`` asks for (that module keeps its fixtures)."""
+    return dsn
 
 
 @pytest.fixture
-def app(celery_dsn: str, schema: str) -> Iterator[Celery]:
-    app = make_app(celery_dsn, schema)
-    yield app
-    app.close()
+def sa_url(dsn: str) -> str:
+    return celery_pgqueue.result_backend_url(dsn).removeprefix("db+")
 
 
 @pytest.fixture
-def sa_url(celery_dsn: str) -> str:
-    return celery_pgqueue.result_backend_url(celery_dsn).removeprefix("db+")
+def app_conn(dsn: str) -> Iterator[psycopg.Connection]:
+    """The application's own psycopg 3 connection (not autocommit)."""
+    with psycopg.connect(dsn) as conn:
+        yield conn
 
 
 @pytest.fixture
@@ -76,13 +74,3 @@ def rows(db: psycopg.Connection, schema: str) -> Callable[..., list[tuple[Any, .
         return db.execute(query, params).fetchall()
 
     return rows
-
-
-@pytest.fixture
-def other_database_dsn(dsn: str) -> str:
-    """A DSN for another database on the same server, where the broker schema is not."""
-    params = conninfo_to_dict(dsn) if dsn else {}
-    current = params.get("dbname") or "postgres"
-    # the embedded server has only postgres and the templates; template1 is only read
-    other = "postgres" if current != "postgres" else "template1"
-    return make_conninfo(dsn or "", dbname=other)

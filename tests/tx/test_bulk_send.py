@@ -9,17 +9,16 @@ from __future__ import annotations
 import copy
 import threading
 import time
-from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import celery.contrib.testing.tasks  # noqa: F401 - registers celery.ping
-import psycopg
 import pytest
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
+from celery_apps import celery_app
 from kombu.utils.json import loads
-from tx_helpers import make_app, wait_for
+from waiting import wait_for
 
 import kombu_pgqueue
 from celery_pgqueue.bulk import send_many
@@ -65,12 +64,6 @@ def _record_task(app: Celery, name: str = "bk.record") -> tuple[Any, Ran]:
 @pytest.fixture
 def record(app: Celery, connection: Any) -> tuple[Any, Ran]:
     return _record_task(app)
-
-
-@pytest.fixture
-def app_conn(dsn: str) -> Iterator[psycopg.Connection]:
-    with psycopg.connect(dsn) as conn:
-        yield conn
 
 
 def test_send_many_runs_every_signature_with_its_args(app, record, rows):
@@ -221,8 +214,8 @@ def test_send_many_explicit_dedup_key(app, record, rows):
     assert sorted(ran.labels()) == ["a", "c", "sentinel"]
 
 
-def test_send_many_without_dedup_task_ids_stores_duplicates(celery_dsn, schema, connection, rows):
-    app = make_app(celery_dsn, schema, dedup_task_ids=False)
+def test_send_many_without_dedup_task_ids_stores_duplicates(dsn, schema, connection, rows):
+    app = celery_app(dsn, schema, dedup_task_ids=False)
     try:
         task, _ = _record_task(app)
         sigs = [task.s(i) for i in range(3)]

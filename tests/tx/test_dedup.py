@@ -16,7 +16,8 @@ import pytest
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
 from kombu import Connection, Exchange, Producer, Queue
-from tx_helpers import make_app, wait_for
+from tx_helpers import make_app
+from waiting import wait_for
 from wire_faults import FaultProxy
 
 QUEUE = "dd"

@@ -4,6 +4,10 @@ Each test watches from outside the transaction: a separate ``Store`` connection
 (``store.size``), a second session reading the tables, and a consumer on its own
 connection blocked in ``drain_events``. That consumer polls only every 60 s, so a
 delivery within seconds of the commit can only come from the commit's NOTIFY.
+
+That a message is NOT delivered is shown by a marker: a message published after it on
+the same queue (autocommitted), delivered in publish order. Once the consumer has the
+marker, anything that was there to be delivered before it has been.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from kombu import Connection, Consumer, Producer, Queue
 from psycopg import sql
 from sqlalchemy import text
 from sqlalchemy.orm import Session
-from tx_helpers import stays_false, wait_for
+from waiting import wait_for
 
 import kombu_pgqueue
 from celery_pgqueue.bulk import send_many
@@ -50,7 +54,7 @@ class Watcher:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
-        assert self._ready.wait(15), "the watching consumer did not start"
+        wait_for(self._ready, 15, "the watching consumer to start")
         assert self.error is None, self.error
 
     def _run(self) -> None:
@@ -92,15 +96,17 @@ def watch(make_connection: Callable[..., Connection]) -> Iterator[Callable[[str]
         watcher.close()
 
 
-@pytest.fixture
-def app_conn(dsn: str) -> Iterator[psycopg.Connection]:
-    """The application's own psycopg 3 connection (not autocommit)."""
-    with psycopg.connect(dsn) as conn:
-        yield conn
-
-
 def _insert_order(conn: Any, orders: sql.Composed, order_id: int) -> None:
     conn.execute(sql.SQL("INSERT INTO {} (id) VALUES (%s)").format(orders), (order_id,))
+
+
+def _marker(connection: Connection, watcher: Watcher, seen_before: list[Any]) -> None:
+    """Publish a marker (autocommitted, on the broker's own connection) and wait until
+    the watcher has it: then it has everything that was there before the marker, and
+    that must be ``seen_before``."""
+    Producer(connection).publish({"marker": True}, routing_key=watcher.queue)
+    wait_for(lambda: {"marker": True} in watcher.got, 5, "the marker message")
+    assert watcher.got == [*seen_before, {"marker": True}]
 
 
 def _own_message_count(conn: psycopg.Connection, schema: str) -> int:
@@ -123,13 +129,13 @@ def test_psycopg_commit_makes_message_visible_and_wakes_consumer(
             Producer(connection).publish({"order": 1}, routing_key=QUEUE)
         # the application's session sees its own message ...
         assert _own_message_count(app_conn, schema) == 1
-        # ... nobody else does, and the blocked consumer is not woken
+        # ... nobody else does, and the consumer does not get it
         assert store.size(QUEUE) == 0
         assert rows() == []
         assert count_orders() == 0
-        assert stays_false(lambda: watcher.got, 0.7), watcher.got
-    wait_for(lambda: watcher.got, 5, "the consumer to be woken by the commit's NOTIFY")
-    assert watcher.got == [{"order": 1}]
+        _marker(connection, watcher, [])
+    wait_for(lambda: len(watcher.got) == 2, 5, "the consumer to be woken by the commit's NOTIFY")
+    assert watcher.got == [{"marker": True}, {"order": 1}]
     assert count_orders() == 1
 
 
@@ -145,11 +151,8 @@ def test_psycopg_rollback_leaves_no_message(
     assert count_orders() == 0
     assert store.size(QUEUE) == 0
     assert rows() == []
-    assert stays_false(lambda: watcher.got, 0.7), watcher.got
-    # the consumer was listening all along: a plain publish reaches it
-    Producer(connection).publish({"marker": True}, routing_key=QUEUE)
-    wait_for(lambda: watcher.got, 5, "the marker message")
-    assert watcher.got == [{"marker": True}]
+    # the consumer was listening all along: a plain publish reaches it, alone
+    _marker(connection, watcher, [])
 
 
 def test_psycopg_savepoint_rollback_drops_only_its_publish(
@@ -168,8 +171,7 @@ def test_psycopg_savepoint_rollback_drops_only_its_publish(
             producer.publish({"n": "after"}, routing_key=QUEUE)
         assert rows() == []
     wait_for(lambda: len(watcher.got) >= 2, 5, "the committed messages")
-    assert stays_false(lambda: len(watcher.got) > 2, 0.5), watcher.got
-    assert watcher.got == [{"n": "outer"}, {"n": "after"}]
+    _marker(connection, watcher, [{"n": "outer"}, {"n": "after"}])
     assert count_orders() == 1
 
 
@@ -203,7 +205,7 @@ def test_publish_outside_the_block_is_autocommitted(
         wait_for(lambda: len(watcher.got) == 2, 5, "the message published after the block")
         raise Boom
     assert watcher.got == [{"n": "thread"}, {"n": "outside"}]
-    assert stays_false(lambda: len(watcher.got) > 2, 0.5), watcher.got
+    _marker(connection, watcher, [{"n": "thread"}, {"n": "outside"}])
     assert store.size(QUEUE) == 0
     assert rows() == []
 
@@ -293,12 +295,16 @@ def test_celery_delay_commit_runs_rollback_never_runs(app, app_conn, orders, cou
             _insert_order(app_conn, orders, 2)
             with kombu_pgqueue.transaction(app_conn):
                 record.delay("committed")
-            assert stays_false(lambda: ran, 0.7), ran
             assert rows() == []
+            # a marker sent outside the block (autocommitted) runs, alone: the worker
+            # (one thread, messages in publish order) would have run the other first
+            record.delay("marker")
+            wait_for(lambda: "marker" in ran, 15, "the marker task to run")
+            assert ran == ["marker"]
         wait_for(lambda: "committed" in ran, 15, "the committed task to run")
         record.delay("afterwards")
         wait_for(lambda: "afterwards" in ran, 15, "the task sent afterwards to run")
-    assert sorted(ran) == ["afterwards", "committed"]
+    assert ran == ["marker", "committed", "afterwards"]
     assert count_orders() == 1
 
 
@@ -332,9 +338,9 @@ def test_sqlalchemy_commit_makes_message_visible(
             Producer(connection).publish({"order": 1}, routing_key=QUEUE)
         assert store.size(QUEUE) == 0
         assert rows() == []
-        assert stays_false(lambda: watcher.got, 0.5), watcher.got
-    wait_for(lambda: watcher.got, 5, "the consumer to be woken by the commit")
-    assert watcher.got == [{"order": 1}]
+        _marker(connection, watcher, [])
+    wait_for(lambda: len(watcher.got) == 2, 5, "the consumer to be woken by the commit")
+    assert watcher.got == [{"marker": True}, {"order": 1}]
     assert count_orders() == 1
 
 
@@ -351,7 +357,7 @@ def test_sqlalchemy_rollback_leaves_no_message(
     assert count_orders() == 0
     assert store.size(QUEUE) == 0
     assert rows() == []
-    assert stays_false(lambda: watcher.got, 0.5), watcher.got
+    _marker(connection, watcher, [])
 
 
 def test_sqlalchemy_savepoint_rollback_drops_only_its_publish(
