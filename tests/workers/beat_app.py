@@ -18,18 +18,16 @@ the tests count executions in the database instead of trusting results or logs.
 from __future__ import annotations
 
 import os
-import threading
-import time
 from collections.abc import Mapping
 from typing import Any
 
 import psycopg
 from celery import Celery
+from celery_apps import celery_app
 from kombu import Queue
 from kombu.common import Broadcast
 from psycopg import sql
-
-import celery_pgqueue
+from waiting import wait_for
 
 #: how long a blocked task waits for its gate (it must never outlive a test)
 GATE_LIMIT = 60.0
@@ -97,21 +95,19 @@ class Ledger:
             )
 
     def wait_gate(self, gate: str) -> None:
-        deadline = time.monotonic() + GATE_LIMIT
         with psycopg.connect(self.dsn, autocommit=True) as conn:
             query = sql.SQL("SELECT 1 FROM {} WHERE name = %s").format(self.gate_table)
-            while conn.execute(query, (gate,)).fetchone() is None:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"gate {gate!r} stayed shut")
-                threading.Event().wait(0.05)
+            wait_for(lambda: conn.execute(query, (gate,)).fetchone(), GATE_LIMIT, f"gate {gate!r}")
 
 
 def process_env(dsn: str, schema: str, **settings: Any) -> dict[str, str]:
     """The environment for ``celery -A beat_app ...``; ``settings`` without the prefix."""
+    here = os.path.dirname(os.path.abspath(__file__))
     env = {
         **os.environ,
+        # tests/ too: the app comes from celery_apps, its waits from waiting
         "PYTHONPATH": os.pathsep.join(
-            [os.path.dirname(os.path.abspath(__file__)), os.environ.get("PYTHONPATH", "")]
+            [here, os.path.dirname(here), os.environ.get("PYTHONPATH", "")]
         ).rstrip(os.pathsep),
         "PGQUEUE_DSN": dsn,
         "PGQUEUE_SCHEMA": schema,
@@ -129,14 +125,17 @@ def make_app(
     broadcast: str | None = None,
     prefetch: int = 1,
 ) -> Celery:
-    app = Celery("features", set_as_current=False)
-    celery_pgqueue.configure(app, dsn, results=False, schema=schema, polling_interval=0.5)
-    app.conf.update(
-        task_ignore_result=True,
-        task_default_queue="celery",
-        worker_prefetch_multiplier=prefetch,
-        worker_hijack_root_logger=True,
-        broker_connection_retry_on_startup=True,
+    app = celery_app(
+        dsn,
+        schema,
+        main="features",
+        results=False,
+        conf={
+            "task_ignore_result": True,
+            "worker_prefetch_multiplier": prefetch,
+            # the tests read the worker's log (" ready.")
+            "worker_hijack_root_logger": True,
+        },
     )
     if broadcast:
         app.conf.task_queues = (Queue("celery"), Broadcast(broadcast))

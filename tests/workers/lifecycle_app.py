@@ -20,16 +20,14 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
-import time
 from collections.abc import Mapping
 from typing import Any
 
 import psycopg
 from celery import Celery
+from celery_apps import celery_app
 from psycopg import sql
-
-import celery_pgqueue
+from waiting import wait_for
 
 #: how long a task waits for its gate before giving up (it must never outlive a test)
 GATE_LIMIT = 90.0
@@ -83,10 +81,12 @@ def worker_env(dsn: str, schema: str, **settings: Any) -> dict[str, str]:
     ``settings`` are the variables above without their ``PGQUEUE_`` prefix, in
     lower case (``visibility_timeout=3``).
     """
+    here = os.path.dirname(os.path.abspath(__file__))
     env = {
         **os.environ,
+        # tests/ too: the app comes from celery_apps, its waits from waiting
         "PYTHONPATH": os.pathsep.join(
-            [os.path.dirname(os.path.abspath(__file__)), os.environ.get("PYTHONPATH", "")]
+            [here, os.path.dirname(here), os.environ.get("PYTHONPATH", "")]
         ).rstrip(os.pathsep),
         "PGQUEUE_DSN": dsn,
         "PGQUEUE_SCHEMA": schema,
@@ -104,21 +104,20 @@ def make_app(
     prefetch: int = 1,
     **transport_options: Any,
 ) -> Celery:
-    app = Celery("lifecycle", set_as_current=False)
-    celery_pgqueue.configure(
-        app,
+    app = celery_app(
         dsn,
+        schema,
+        main="lifecycle",
         results=False,
-        schema=schema,
-        **{"polling_interval": 0.5, **transport_options},
-    )
-    app.conf.update(
-        task_acks_late=True,
-        task_reject_on_worker_lost=True,
-        task_ignore_result=True,
-        task_default_queue="celery",
-        worker_prefetch_multiplier=prefetch,
-        worker_hijack_root_logger=True,
+        conf={
+            "task_acks_late": True,
+            "task_reject_on_worker_lost": True,
+            "task_ignore_result": True,
+            "worker_prefetch_multiplier": prefetch,
+            # the tests read the worker's log (" ready.", "Warm shutdown")
+            "worker_hijack_root_logger": True,
+        },
+        **transport_options,
     )
     table = sql.Identifier(schema, ledger)
     gate_table = sql.Identifier(schema, f"{ledger}_gate")
@@ -145,24 +144,18 @@ def make_app(
             )
 
     @app.task(name="lifecycle.work", bind=True)
-    def work(self: Any, label: str, seconds: float = 0.0) -> str:
-        """Run for ``seconds``."""
-        run = start(self, label)
-        threading.Event().wait(seconds)
-        finish(run)
+    def work(self: Any, label: str, *_: Any) -> str:
+        """Run, and be done (further arguments are carried, not used)."""
+        finish(start(self, label))
         return label
 
     @app.task(name="lifecycle.block", bind=True)
     def block(self: Any, label: str, gate: str) -> str:
         """Run until gate ``gate`` is opened (see :func:`open_gate`)."""
         run = start(self, label)
-        deadline = time.monotonic() + GATE_LIMIT
         with psycopg.connect(dsn, autocommit=True) as conn:
             query = sql.SQL("SELECT 1 FROM {} WHERE name = %s").format(gate_table)
-            while conn.execute(query, (gate,)).fetchone() is None:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"gate {gate!r} stayed shut")
-                threading.Event().wait(0.1)
+            wait_for(lambda: conn.execute(query, (gate,)).fetchone(), GATE_LIMIT, f"gate {gate!r}")
         finish(run)
         return label
 

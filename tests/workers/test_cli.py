@@ -28,12 +28,12 @@ Cli = Callable[..., subprocess.CompletedProcess[str]]
 
 
 @pytest.fixture
-def cli(celery_dsn: str, schema: str) -> Cli:
+def cli(dsn: str, schema: str) -> Cli:
     def run(*args: str, ok: bool = True, stdin: str = "", **settings: Any) -> Any:
         done = subprocess.run(
             [sys.executable, "-m", "celery", "-A", "lifecycle_app", "pgqueue", *args],
             cwd=HERE,
-            env=worker_env(celery_dsn, schema, **settings),
+            env=worker_env(dsn, schema, **settings),
             input=stdin,
             capture_output=True,
             text=True,
@@ -47,12 +47,12 @@ def cli(celery_dsn: str, schema: str) -> Cli:
 
 
 @pytest.fixture
-def sent(celery_dsn: str, schema: str, db: psycopg.Connection) -> Iterator[dict[str, list[str]]]:
+def sent(dsn: str, schema: str, db: psycopg.Connection) -> Iterator[dict[str, list[str]]]:
     """Task ids by queue: 3 ready and 1 delayed in 'celery', 2 in 'other', and 2 that
     a consumer rejected, so they are dead letters of 'doomed'."""
-    kombu_pgqueue.migrate(celery_dsn, schema)
+    kombu_pgqueue.migrate(dsn, schema)
     create_ledger(db, schema)
-    app = make_app(celery_dsn, schema)
+    app = make_app(dsn, schema)
     try:
         ids = {
             "celery": [app.send_task("lifecycle.work", (f"c{i}",)).id for i in range(3)],

@@ -14,11 +14,11 @@ pytestmark = pytest.mark.celery
 DEMO = Path(__file__).resolve().parents[2] / "examples" / "demo.py"
 
 
-def test_demo_passes_every_check(celery_dsn: str) -> None:
+def test_demo_passes_every_check(dsn: str) -> None:
     # the demo uses the default schema 'pgqueue' of the test database
     done = subprocess.run(
         [sys.executable, str(DEMO)],
-        env={**os.environ, "PGQUEUE_DSN": celery_dsn},
+        env={**os.environ, "PGQUEUE_DSN": dsn},
         capture_output=True,
         text=True,
         timeout=100,

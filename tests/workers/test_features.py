@@ -13,9 +13,7 @@ import signal
 import subprocess
 import sys
 import threading
-import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -27,10 +25,11 @@ from beat_app import Ledger, create_ledger, make_app, process_env
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
 from celery.exceptions import Reject
+from celery_apps import celery_app
 from psycopg import sql
 from psycopg.rows import dict_row
+from waiting import Process, wait_for
 
-import celery_pgqueue
 import kombu_pgqueue
 
 pytestmark = pytest.mark.celery
@@ -40,40 +39,6 @@ REPLY_QUEUES = "%.reply.celery.pidbox"
 
 
 # -- helpers ------------------------------------------------------------------------
-
-
-@dataclass
-class Proc:
-    name: str
-    proc: subprocess.Popen[bytes]
-    log_path: Path
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-
-def wait_for(condition: Callable[[], Any], timeout: float, what: str, *watched: Proc) -> Any:
-    """Poll ``condition`` until it is truthy; fail if a watched process exits meanwhile."""
-    deadline = time.monotonic() + timeout
-    while True:
-        found = condition()
-        if found:
-            return found
-        for proc in watched:
-            if proc.proc.poll() is not None:
-                pytest.fail(
-                    f"{proc.name} exited ({proc.proc.returncode}) while waiting for {what}; "
-                    f"log:\n{proc.log()[-4000:]}"
-                )
-        if time.monotonic() > deadline:
-            logs = "\n".join(f"--- {p.name}:\n{p.log()[-3000:]}" for p in watched)
-            pytest.fail(f"timed out after {timeout}s waiting for {what}\n{logs}")
-        threading.Event().wait(0.1)
-
-
-def wait_ready(*workers: Proc) -> None:
-    for worker in workers:
-        wait_for(lambda w=worker: " ready." in w.log(), 30, f"{worker.name} ready", worker)
 
 
 def _rows(db: psycopg.Connection, query: str, schema: str, *params: Any) -> list[dict[str, Any]]:
@@ -112,31 +77,37 @@ def labels(db: psycopg.Connection, schema: str) -> list[str]:
     return [r["label"] for r in runs(db, schema)]
 
 
+def past_expiry(db: psycopg.Connection, schema: str, task_id: str) -> bool:
+    """The message of ``task_id`` has expired by the server's clock (the broker's)."""
+    query = "SELECT 1 FROM {s}.message WHERE headers->>'id' = %s AND expires_at <= now()"
+    return bool(_rows(db, query, schema, task_id))
+
+
 @pytest.fixture
-def ledger(celery_dsn: str, schema: str, db: psycopg.Connection) -> Ledger:
+def ledger(dsn: str, schema: str, db: psycopg.Connection) -> Ledger:
     """The schema, migrated before any worker, with the ledger tables in it."""
-    kombu_pgqueue.migrate(celery_dsn, schema)
+    kombu_pgqueue.migrate(dsn, schema)
     create_ledger(db, schema)
-    return Ledger(celery_dsn, schema)
+    return Ledger(dsn, schema)
 
 
 @pytest.fixture
-def spawn(celery_dsn: str, schema: str, tmp_path: Path, ledger: Ledger) -> Iterator[Any]:
+def spawn(dsn: str, schema: str, tmp_path: Path, ledger: Ledger) -> Iterator[Any]:
     """Start ``celery -A beat_app ARGS...`` processes; all are killed at the end."""
-    started: list[Proc] = []
+    started: list[Process] = []
 
-    def spawn(name: str, *args: str, **settings: Any) -> Proc:
+    def spawn(name: str, *args: str, **settings: Any) -> Process:
         log_path = tmp_path / f"{name}.log"
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "celery", "-A", "beat_app", *args, "-l", "info"],
                 cwd=HERE,
-                env=process_env(celery_dsn, schema, **settings),
+                env=process_env(dsn, schema, **settings),
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
-        started.append(Proc(name, proc, log_path))
+        started.append(Process(name, proc, log_path))
         return started[-1]
 
     try:
@@ -166,8 +137,8 @@ def worker_args(hostname: str, pool: str = "threads", concurrency: int = 2) -> l
 
 
 @pytest.fixture
-def publisher(celery_dsn: str, schema: str, ledger: Ledger) -> Iterator[Celery]:
-    app = make_app(celery_dsn, schema, broadcast="bcast")
+def publisher(dsn: str, schema: str, ledger: Ledger) -> Iterator[Celery]:
+    app = make_app(dsn, schema, broadcast="bcast")
     try:
         yield app
     finally:
@@ -192,7 +163,7 @@ def hold_task(app: Celery, ledger: Ledger, started: threading.Event, release: th
     def hold(self: Any) -> str:
         run = ledger.start(self, "hold")
         started.set()
-        release.wait(30)
+        wait_for(release, 30, "the test to release the held task")
         ledger.finish(run)
         return "held"
 
@@ -228,7 +199,7 @@ def test_beat_schedules_through_pgqueue(spawn, db, schema, tmp_path):
 def test_broadcast_task_runs_once_on_every_worker(spawn, publisher, db, schema):
     a = spawn("a", *worker_args("bcast-a@feat"), broadcast="bcast")
     b = spawn("b", *worker_args("bcast-b@feat"), broadcast="bcast")
-    wait_ready(a, b)
+    wait_for(lambda: a.says(" ready.") and b.says(" ready."), 30, "workers a and b ready", a, b)
     bound = _rows(
         db, "SELECT queue FROM {s}.binding WHERE exchange = 'bcast' ORDER BY queue", schema
     )
@@ -312,7 +283,7 @@ def test_expired_task_is_dropped_by_the_broker(app, ledger, db, schema):
     expired = record.apply_async(("expired",), expires=1)
     (row,) = messages(db, schema)
     assert row["task_id"] == expired.id and row["expires_at"] is not None
-    threading.Event().wait(3)  # past its expiry, no worker yet
+    wait_for(lambda: past_expiry(db, schema, expired.id), 10, "the message to expire (no worker)")
     with start_worker(app, pool="threads", concurrency=1, perform_ping_check=True):
         try:
             assert record.delay("normal").get(timeout=20) == "normal"
@@ -321,9 +292,9 @@ def test_expired_task_is_dropped_by_the_broker(app, ledger, db, schema):
 
             # and one that expires while the worker is busy: the next claim skips it
             busy = hold.delay()
-            assert started.wait(20)
+            wait_for(started, 20, "the held task to start")
             late = record.apply_async(("late",), expires=1)
-            threading.Event().wait(3)
+            wait_for(lambda: past_expiry(db, schema, late.id), 10, "the message to expire (busy)")
         finally:
             release.set()
         assert busy.get(timeout=20) == "held"
@@ -345,7 +316,7 @@ def test_expired_task_is_dropped_by_the_broker(app, ledger, db, schema):
 def test_inspect_active_reserved_and_revoke(spawn, publisher, db, schema):
     name = "inspect@feat"
     w = spawn("worker", *worker_args(name, pool="prefork", concurrency=1), prefetch=3)
-    wait_ready(w)
+    wait_for(lambda: w.says(" ready."), 30, "the worker ready", w)
     running = publisher.send_task("feat.block", ("running", "never")).id
     waiting = publisher.send_task("feat.record", ("waiting",)).id
     doomed = publisher.send_task("feat.record", ("doomed",)).id
@@ -400,7 +371,7 @@ def test_inspect_active_reserved_and_revoke(spawn, publisher, db, schema):
 def test_remote_shutdown_stops_only_the_named_worker(spawn, publisher, db, schema):
     a = spawn("a", *worker_args("shut-a@feat"))
     b = spawn("b", *worker_args("shut-b@feat"))
-    wait_ready(a, b)
+    wait_for(lambda: a.says(" ready.") and b.says(" ready."), 30, "workers a and b ready", a, b)
 
     publisher.control.shutdown(destination=["shut-a@feat"])
     assert a.proc.wait(timeout=15) == 0, a.log()[-3000:]
@@ -428,50 +399,57 @@ def reply_queues(db: psycopg.Connection, schema: str) -> dict[str, list[str]]:
     return found
 
 
-def test_reply_queues_do_not_pile_up(app, dsn, celery_dsn, schema, db):
-    seen: dict[str, tuple[Any, Any]] = {}
-    stop = threading.Event()
-    declared = sql.SQL("SELECT name, expires, message_ttl FROM {} WHERE name LIKE %s").format(
-        sql.Identifier(schema, "queue")
+def record_reply_queue_writes(db: psycopg.Connection, schema: str) -> None:
+    """From now on, copy every write of a reply queue's row in the queue table (name,
+    expires, message_ttl) into ``reply_queue_writes``: what a watcher of the table
+    would have seen while the queue existed, every time it changed."""
+    db.execute(
+        sql.SQL(
+            """
+            CREATE TABLE {s}.reply_queue_writes (name text, expires interval, ttl interval);
+            CREATE FUNCTION {s}.record_reply_queue_write() RETURNS trigger
+            LANGUAGE plpgsql AS $$
+            BEGIN
+                INSERT INTO {s}.reply_queue_writes VALUES (NEW.name, NEW.expires, NEW.message_ttl);
+                RETURN NULL;
+            END
+            $$;
+            CREATE TRIGGER record_reply_queue_write AFTER INSERT OR UPDATE ON {s}.queue
+            FOR EACH ROW WHEN (NEW.name LIKE {pattern})
+            EXECUTE FUNCTION {s}.record_reply_queue_write();
+            """
+        ).format(s=sql.Identifier(schema), pattern=sql.Literal(REPLY_QUEUES))
     )
 
-    def watch() -> None:
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            while not stop.wait(0.02):
-                for name, expires, ttl in conn.execute(declared, (REPLY_QUEUES,)):
-                    seen[name] = (expires, ttl)
 
+def test_reply_queues_do_not_pile_up(app, dsn, schema, db):
     def fresh_app() -> Celery:
         # what each separate `celery inspect ping` is: a new mailbox, a new reply queue
-        other = Celery(f"client_{schema}", set_as_current=False)
-        celery_pgqueue.configure(other, celery_dsn, results=False, schema=schema)
-        return other
+        return celery_app(dsn, schema, main=f"client_{schema}", results=False)
 
     left: list[dict[str, list[str]]] = []
-    watcher = threading.Thread(target=watch, daemon=True)
     with start_worker(app, pool="threads", concurrency=2, perform_ping_check=True) as w:
-        watcher.start()
-        try:
-            for _ in range(3):
-                assert w.hostname in (app.control.inspect(timeout=1).ping() or {})
-                left.append(reply_queues(db, schema))
-            for _ in range(3):
-                client = fresh_app()
-                try:
-                    assert w.hostname in (client.control.inspect(timeout=1).ping() or {})
-                finally:
-                    client.close()
-                left.append(reply_queues(db, schema))
-        finally:
-            stop.set()
-            watcher.join(timeout=10)
+        record_reply_queue_writes(db, schema)
+        for _ in range(3):
+            assert w.hostname in (app.control.inspect(timeout=1).ping() or {})
+            left.append(reply_queues(db, schema))
+        for _ in range(3):
+            client = fresh_app()
+            try:
+                assert w.hostname in (client.control.inspect(timeout=1).ping() or {})
+            finally:
+                client.close()
+            left.append(reply_queues(db, schema))
 
-    # the watcher saw the reply queues while the calls were under way (each call binds a
-    # copy of the mailbox, whose oid, and so queue name, is usually new), declared with
-    # Celery's control_queue_expires and control_queue_ttl: a client that dies mid-call
-    # leaves a queue that the sweep removes...
+    # the reply queues of the calls (each call binds a copy of the mailbox, whose oid,
+    # and so queue name, is usually new) were declared with Celery's
+    # control_queue_expires and control_queue_ttl: a client that dies mid-call leaves a
+    # queue that the sweep removes...
+    seen = _rows(db, "SELECT name, expires, ttl FROM {s}.reply_queue_writes", schema)
     assert seen
-    assert set(seen.values()) == {(timedelta(seconds=10), timedelta(seconds=300))}, seen
+    assert {(r["expires"], r["ttl"]) for r in seen} == {
+        (timedelta(seconds=10), timedelta(seconds=300))
+    }, seen
     # ...and each call deleted its queue, bindings and replies when it was done
     assert left == [{"queue": [], "binding": [], "message": []}] * 6
 
@@ -509,14 +487,18 @@ def test_prefetch_multiplier_bounds_the_leases(app, ledger, db, schema):
     rest = [record.delay(f"job{i}") for i in range(5)]
     with start_worker(app, pool="threads", concurrency=1, perform_ping_check=False):
         try:
-            assert started.wait(20)
+            wait_for(started, 20, "the held task to start")
             leased: list[int] = []
-            deadline = time.monotonic() + 2
-            while time.monotonic() < deadline:
+
+            def window() -> int:
                 rows = messages(db, schema)
                 assert len(rows) == 6, rows  # nothing acked while the only slot is busy
                 leased.append(sum(m["leased"] for m in rows))
-                threading.Event().wait(0.1)
+                return leased[-1]
+
+            wait_for(lambda: window() == 2, 10, "the running task and one more leased")
+            # no event says that a consumer claims no more: the window is watched for 2 s
+            wait_for(lambda: window() > 2, 2, "a third lease while the slot is busy", never=True)
             assert labels(db, schema) == ["hold"]
         finally:
             release.set()

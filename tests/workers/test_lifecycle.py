@@ -11,10 +11,8 @@ import os
 import signal
 import subprocess
 import sys
-import threading
-import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +21,7 @@ import pytest
 from lifecycle_app import create_ledger, make_app, open_gate, worker_env
 from psycopg import sql
 from psycopg.rows import dict_row
+from waiting import Process, wait_for
 
 import kombu_pgqueue
 
@@ -31,14 +30,8 @@ pytestmark = pytest.mark.celery
 HERE = Path(__file__).resolve().parent
 
 
-@dataclass
-class Worker:
-    name: str
-    proc: subprocess.Popen[bytes]
-    log_path: Path
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
+class Worker(Process):
+    """A ``celery worker`` process; waits that watch it fail at once if it exits."""
 
     def kill(self) -> None:
         """SIGKILL the main process and its pool children at once (OOM killer, crash)."""
@@ -50,32 +43,8 @@ class Worker:
         self.proc.send_signal(signal.SIGTERM)
 
 
-def wait_for(condition: Callable[[], Any], timeout: float, what: str, *watched: Worker) -> Any:
-    """Poll ``condition`` until it is truthy; fail if a watched worker exits meanwhile."""
-    deadline = time.monotonic() + timeout
-    while True:
-        found = condition()
-        if found:
-            return found
-        for worker in watched:
-            if worker.proc.poll() is not None:
-                pytest.fail(
-                    f"worker {worker.name} exited ({worker.proc.returncode}) while waiting "
-                    f"for {what}; log:\n{worker.log()[-4000:]}"
-                )
-        if time.monotonic() > deadline:
-            logs = "\n".join(f"--- {w.name}:\n{w.log()[-3000:]}" for w in watched)
-            pytest.fail(f"timed out after {timeout}s waiting for {what}\n{logs}")
-        threading.Event().wait(0.1)
-
-
-def wait_ready(*workers: Worker) -> None:
-    for worker in workers:
-        wait_for(lambda w=worker: " ready." in w.log(), 30, f"{worker.name} ready", worker)
-
-
 @pytest.fixture
-def spawn(celery_dsn: str, schema: str, tmp_path: Path) -> Iterator[Callable[..., Worker]]:
+def spawn(dsn: str, schema: str, tmp_path: Path) -> Iterator[Callable[..., Worker]]:
     started: list[Worker] = []
 
     def spawn(name: str, *, concurrency: int = 1, **settings: Any) -> Worker:
@@ -104,7 +73,7 @@ def spawn(celery_dsn: str, schema: str, tmp_path: Path) -> Iterator[Callable[...
                     "--without-heartbeat",
                 ],
                 cwd=HERE,
-                env=worker_env(celery_dsn, schema, **settings),
+                env=worker_env(dsn, schema, **settings),
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
@@ -125,11 +94,11 @@ def spawn(celery_dsn: str, schema: str, tmp_path: Path) -> Iterator[Callable[...
 
 
 @pytest.fixture
-def publisher(celery_dsn: str, schema: str, db: psycopg.Connection) -> Iterator[Any]:
+def publisher(dsn: str, schema: str, db: psycopg.Connection) -> Iterator[Any]:
     """An app that sends the tasks; the schema and the ledger exist before any worker."""
-    kombu_pgqueue.migrate(celery_dsn, schema)
+    kombu_pgqueue.migrate(dsn, schema)
     create_ledger(db, schema)
-    app = make_app(celery_dsn, schema)
+    app = make_app(dsn, schema)
     try:
         yield app
     finally:
@@ -231,13 +200,32 @@ def test_sigkilled_worker_loses_nothing(spawn, publisher, db, schema):
 
 
 def test_task_longer_than_visibility_timeout_runs_once(spawn, publisher, db, schema):
-    settings = {"concurrency": 2, "visibility_timeout": 2, "lease_renewal_interval": 0.5}
+    visibility = 2
+    settings = {"concurrency": 2, "visibility_timeout": visibility, "lease_renewal_interval": 0.5}
     a = spawn("a", **settings)
     b = spawn("b", **settings)
-    wait_ready(a, b)  # both consume, each with a free process to take a lapsed lease
+    # both consume, each with a free process to take a lapsed lease
+    wait_for(lambda: a.says(" ready.") and b.says(" ready."), 30, "workers a and b ready", a, b)
 
-    task_id = publisher.send_task("lifecycle.work", ("long", 7)).id
+    task_id = publisher.send_task("lifecycle.block", ("long", "long")).id
     seen: list[dict[str, Any]] = []
+
+    def renewed_past(periods: int) -> bool:
+        """The running task's lease was renewed to end ``periods`` leases after it started."""
+        rows = messages(db, schema)
+        seen.extend(rows)
+        ledger = runs(db, schema)
+        return bool(
+            rows
+            and ledger
+            and rows[0]["next_iteration"] - ledger[0]["started_at"]
+            >= timedelta(seconds=periods * visibility)
+        )
+
+    # the lease of a 2 s visibility timeout, renewed past four of them: the task has run
+    # three visibility timeouts (and more) with nobody else taking it
+    wait_for(lambda: renewed_past(4), 30, "the running task's lease renewed past 4 periods", a, b)
+    open_gate(db, schema, "long")
 
     def done() -> bool:
         rows = messages(db, schema)
@@ -245,11 +233,11 @@ def test_task_longer_than_visibility_timeout_runs_once(spawn, publisher, db, sch
         ledger = runs(db, schema)
         return not rows and len(ledger) >= 1 and ledger[0]["finished_at"] is not None
 
-    wait_for(done, 30, "the 7 s task to finish and be acked", a, b)
+    wait_for(done, 30, "the long task to finish and be acked", a, b)
 
     (run,) = runs(db, schema)
     assert run["task_id"] == task_id
-    assert (run["finished_at"] - run["started_at"]).total_seconds() >= 7
+    assert run["finished_at"] - run["started_at"] >= timedelta(seconds=3 * visibility)
     # all along one delivery, under one renewed lease
     assert {(m["attempts"], m["lease"] is not None) for m in seen} <= {(0, False), (1, True)}
     assert len({m["lease"] for m in seen if m["lease"] is not None}) == 1
@@ -296,7 +284,7 @@ def test_poison_task_is_dead_lettered_after_max_attempts(spawn, publisher, db, s
 
 
 def test_warm_shutdown_releases_prefetched_messages_at_once(spawn, publisher, db, schema):
-    ids = [publisher.send_task("lifecycle.work", (f"job{i}", 1.0)).id for i in range(10)]
+    ids = [publisher.send_task("lifecycle.block", (f"job{i}", "go")).id for i in range(10)]
     before = {m["task_id"]: m["attempts"] for m in messages(db, schema)}
     assert set(before) == set(ids)
     # a lease this long would keep the messages away for the rest of the test
@@ -309,6 +297,9 @@ def test_warm_shutdown_releases_prefetched_messages_at_once(spawn, publisher, db
     )
 
     w.terminate()
+    # the task is still running when the worker starts its warm shutdown; then it ends
+    wait_for(lambda: w.says("Warm shutdown"), 30, "the worker's warm shutdown to start", w)
+    open_gate(db, schema, "go")
     assert w.proc.wait(timeout=30) == 0
     rows = messages(db, schema)
 

@@ -9,6 +9,7 @@ import pytest
 from celery import chain, chord, group
 from celery.contrib.testing.worker import start_worker
 from psycopg import sql
+from waiting import wait_for
 
 pytestmark = pytest.mark.celery
 
@@ -123,30 +124,33 @@ def test_events_reach_a_receiver(app):
     app.conf.task_send_sent_event = True
     seen: list[str] = []
     done = threading.Event()
+    consuming = threading.Event()
 
     def on_event(event):
         seen.append(event["type"])
-        # the queue may be bound mid-task: wait for one task seen whole
         if event["type"] == "task-succeeded" and "task-received" in seen:
             done.set()
 
     with start_worker(app, pool="threads", concurrency=2, perform_ping_check=True):
         with app.connection_for_read() as conn:
             receiver = app.events.Receiver(conn, handlers={"*": on_event})
-            stop = threading.Event()
+            on_consume_ready = receiver.on_consume_ready
+
+            def ready(*args, **kwargs):
+                on_consume_ready(*args, **kwargs)  # its queue is bound by now
+                consuming.set()
+
+            receiver.on_consume_ready = ready
             thread = threading.Thread(
                 target=lambda: receiver.capture(limit=None, timeout=None, wakeup=True),
                 daemon=True,
             )
             receiver.should_stop = False
             thread.start()
-            # the receiver binds its queue on start; publish until an event comes through
-            for _ in range(20):
-                add.delay(1, 2).get(timeout=20)
-                if done.wait(0.5):
-                    break
+            wait_for(consuming, 20, "the event receiver to consume")
+            add.delay(1, 2).get(timeout=20)
+            wait_for(done, 20, "the task's task-received and task-succeeded events")
             receiver.should_stop = True
-            stop.set()
             thread.join(timeout=10)
     assert "task-succeeded" in seen
     assert "task-received" in seen
