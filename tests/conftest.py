@@ -12,6 +12,7 @@ way to wait) and ``celery_apps`` (the one Celery app factory).
 
 from __future__ import annotations
 
+import logging
 import os
 import uuid
 from collections.abc import Callable, Iterator
@@ -38,6 +39,16 @@ def dsn(request: pytest.FixtureRequest) -> str:
     with psycopg.connect(found, autocommit=True) as conn:
         conn.execute("SELECT 1")
     return found
+
+
+@pytest.fixture(autouse=True)
+def _root_log_level() -> Iterator[None]:
+    """Put the root logger's level back after each test: an in-process Celery worker sets
+    it to its loglevel (``start_worker``: ERROR), and a later test's ``caplog`` would
+    then miss warnings, depending on which tests ran before it."""
+    level = logging.root.level
+    yield
+    logging.root.setLevel(level)
 
 
 @pytest.fixture(scope="session")
