@@ -147,7 +147,7 @@ def test_each_publish_call_of_a_task_id_is_queued(make_connection, rows):
 
 @pytest.mark.parametrize("dedup_task_ids", [True, False])
 def test_publish_retried_after_its_commit_is_queued_once(
-    make_connection, rows, dsn, dedup_task_ids
+    rows, dsn, url_with, transport_options, dedup_task_ids
 ):
     """Kombu's publish retry after a connection broke between the commit and its answer.
 
@@ -156,14 +156,14 @@ def test_publish_retried_after_its_commit_is_queued_once(
     recognised; without it the task is queued twice (the fault is real).
     """
     proxy = FaultProxy(dsn)
+    # the proxy listens on TCP, whether the server is reached by TCP or a socket
+    options = {**transport_options, "sslmode": "disable", "gssencmode": "disable"}
+    conn = Connection(
+        url_with(host="127.0.0.1", port=str(proxy.port)),
+        transport_options={**options, "dedup_task_ids": dedup_task_ids},
+    )
     try:
-        conn = make_connection(
-            hostname="127.0.0.1",
-            port=proxy.port,
-            sslmode="disable",
-            gssencmode="disable",
-            dedup_task_ids=dedup_task_ids,
-        )
+        conn.connect()
         producer = Producer(conn)
         producer.publish({"n": 0}, routing_key=QUEUE)  # connected, schema in place
         proxy.cut_after_commit()
@@ -178,6 +178,7 @@ def test_publish_retried_after_its_commit_is_queued_once(
         copies = rows("body", "body = %s", b'{"n": 1}')
         assert len(copies) == (1 if dedup_task_ids else 2)
     finally:
+        conn.release()
         proxy.close()
 
 
