@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 from collections.abc import Callable
 from typing import Any
@@ -196,7 +197,8 @@ def test_a_property_json_cannot_hold_is_dropped_not_the_message(
     """AMQP brokers drop properties they do not define; Celery's before_task_publish
     handlers may pass the signal object itself to Producer.publish as one."""
     producer = Producer(connection)
-    producer.publish("x", routing_key="prop-q", declare=[Queue("prop-q")], signal=object(), n=7)
+    with caplog.at_level(logging.WARNING, logger="kombu_pgqueue"):
+        producer.publish("x", routing_key="prop-q", declare=[Queue("prop-q")], signal=object(), n=7)
 
     message = connection.SimpleQueue("prop-q").get(timeout=5)
     assert message.payload == "x"
