@@ -267,6 +267,20 @@ def parse_options(transport_options: Mapping[str, Any]) -> Options:
     return options
 
 
+def connection_conninfo(connection: Any, libpq: Mapping[str, str]) -> str:
+    """The libpq string of a ``kombu.Connection``'s URL fields (the transport's and the
+    admin API's alike, so the two share a pool)."""
+    return build_conninfo(
+        hostname=connection.hostname,
+        port=connection.port,
+        userid=connection.userid,
+        password=connection.password,
+        virtual_host=connection.virtual_host,
+        connect_timeout=connection.connect_timeout,
+        libpq=libpq,
+    )
+
+
 def build_conninfo(
     *,
     hostname: str | None,

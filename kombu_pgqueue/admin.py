@@ -37,8 +37,8 @@ from ._monitor import DEFAULT_CAP, Monitor, QueueDepth, TableSize
 from ._options import (
     DEFAULT_SCHEMA,
     Options,
-    build_conninfo,
     check_schema,
+    connection_conninfo,
     notify_channel,
     parse_options,
 )
@@ -120,15 +120,7 @@ def _connection_conninfo(connection: Connection, options: Options) -> str:
             f"{transport_cls.__module__}.{transport_cls.__qualname__}); pgqueue's "
             "administration works on pgqueue:// brokers only"
         )
-    return build_conninfo(
-        hostname=connection.hostname,
-        port=connection.port,
-        userid=connection.userid,
-        password=connection.password,
-        virtual_host=connection.virtual_host,
-        connect_timeout=connection.connect_timeout,
-        libpq=options.libpq,
-    )
+    return connection_conninfo(connection, options.libpq)
 
 
 class Broker:

@@ -51,7 +51,7 @@ from kombu.utils.objects import cached_property
 from . import codec
 from ._consumer import Consumer
 from ._loop import LoopDriver, drain
-from ._options import build_conninfo, check_name, parse_options, topic_pattern
+from ._options import check_name, connection_conninfo, parse_options, topic_pattern
 from ._store import CONNECTION_ERRORS, Store, driver_version
 from .exceptions import ConfigurationError
 from .records import Outgoing
@@ -347,16 +347,7 @@ class Transport(virtual.Transport):
         return driver_version()
 
     def _conninfo(self) -> str:
-        client: Any = self.client  # kombu.Connection, set before any connecting
-        return build_conninfo(
-            hostname=client.hostname,
-            port=client.port,
-            userid=client.userid,
-            password=client.password,
-            virtual_host=client.virtual_host,
-            connect_timeout=client.connect_timeout,
-            libpq=self.options.libpq,
-        )
+        return connection_conninfo(self.client, self.options.libpq)
 
     def establish_connection(self) -> Any:
         conninfo = self._conninfo()
