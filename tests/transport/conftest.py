@@ -7,14 +7,20 @@ from collections.abc import Callable, Iterator
 
 import pytest
 from kombu.asynchronous import Hub
+from waiting import WaitTimeout
 
 
 class LoopHub(Hub):
     """Kombu's Hub, with a way to run it until something happened."""
 
-    def run_until(self, done: Callable[[], bool], timeout: float) -> None:
+    def run_until(
+        self, done: Callable[[], bool], timeout: float, what: str = "the loop's condition"
+    ) -> None:
+        """Run the loop until ``done()``; fail the test (WaitTimeout) after ``timeout``."""
         deadline = time.monotonic() + timeout
-        while not done() and time.monotonic() < deadline:
+        while not done():
+            if time.monotonic() >= deadline:
+                raise WaitTimeout(f"timed out after {timeout}s waiting for {what}")
             self.run_once()
 
 
