@@ -26,6 +26,7 @@ import logging
 import select
 import struct
 import time
+from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
@@ -206,14 +207,9 @@ class Claimer:
                 f"expected {_CLAIM_COLUMN_TYPES}"
             )
 
-        def get(row: int, column: int) -> bytes:
-            # the claim's NOT NULL columns; the content type and encoding may be NULL
-            value = result.get_value(row, column)
-            return b"" if value is None else value
-
-        def get_or_none(row: int, column: int) -> bytes | None:
-            return result.get_value(row, column)
-
+        get_or_none = result.get_value
+        # the claim's columns but the content type and encoding are NOT NULL
+        get: Callable[[int, int], bytes] = get_or_none  # type: ignore[assignment]
         n = result.ntuples
         if n:
             self._took = _FLOAT8.unpack(get(n - 1, 8))[0]

@@ -102,7 +102,7 @@ class Consumer:
 
     def subscribe(self, queue: str, sink: Sink, no_ack: bool) -> None:
         self._subs[queue] = _Subscription(sink, no_ack)
-        self._sinks.setdefault(id(sink), _SinkState())
+        self._state(sink)
         self.pending.add(queue)
         self.ensure_listener()
         self.held.keep_leases()
@@ -162,7 +162,7 @@ class Consumer:
         room = sink.room()
         if room is None:
             return UNLIMITED_BATCH
-        state = self._sinks.setdefault(id(sink), _SinkState())
+        state = self._state(sink)
         room -= state.claiming
         if room <= 0:
             return 0
@@ -173,9 +173,15 @@ class Consumer:
             return 0
         return room
 
+    def _state(self, sink: Sink) -> _SinkState:
+        state = self._sinks.get(id(sink))
+        if state is None:
+            state = self._sinks[id(sink)] = _SinkState()
+        return state
+
     def request(self, queue: str, sink: Sink, limit: int) -> ClaimRequest:
         """How to claim from ``queue`` now: from its head, or after its last message."""
-        now = self._sinks.setdefault(id(sink), _SinkState()).last_claim = self.clock()
+        now = self._state(sink).last_claim = self.clock()
         resume = self._resume.get(queue)
         if resume is not None and now >= resume[2]:
             resume = None
@@ -211,7 +217,7 @@ class Consumer:
         # no flush of pending acks first: an acked message still holds its lease until
         # the ack thread deletes it, so a claim cannot hand it out meanwhile
         if no_ack:
-            self._sinks.setdefault(id(sink), _SinkState()).last_claim = self.clock()
+            self._state(sink).last_claim = self.clock()
             return [codec.payload(row, queue, 0) for row in self.store.take(queue, limit)]
         request = self.request(queue, sink, limit)
         try:

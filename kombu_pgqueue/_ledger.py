@@ -89,9 +89,9 @@ class Held:
         self._keeper.start()
 
     def hold(self, tag: str) -> None:
-        """A delivery reached its channel unacked (Kombu's QoS.append)."""
+        """A delivery reached its channel unacked (Kombu's QoS.append); the lease keeper
+        runs from the first subscription or basic_get on (keep_leases)."""
         self._ledger.hold(tag)
-        self._keeper.start()
 
     def ack(self, tag: str) -> None:
         message_id, lease = self.settle(tag)

@@ -313,6 +313,7 @@ class Channel(virtual.Channel):
         message = self.Message(rows[0], channel=self)
         if not no_ack:
             self.qos.append(message, message.delivery_tag)
+            self.consumer.held.keep_leases()
         return message
 
 
