@@ -11,7 +11,6 @@ import os
 from dataclasses import dataclass, field
 
 import psycopg
-from psycopg import sql
 
 from . import _pool
 from ._options import Options
@@ -49,9 +48,7 @@ class Listener:
     def open(self) -> None:
         if self.conn is not None and not self.conn.closed and self._pid == os.getpid():
             return
-        conn = _pool.connect(self.conninfo, self.options)
-        conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.options.channel)))
-        self.conn = conn
+        self.conn = _pool.listening(self.conninfo, self.options)
         self._pid = os.getpid()
 
     def fileno(self) -> int:

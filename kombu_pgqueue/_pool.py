@@ -15,6 +15,7 @@ import os
 import threading
 
 import psycopg
+from psycopg import sql
 from psycopg_pool import ConnectionPool
 
 from . import migrations
@@ -37,6 +38,13 @@ os.register_at_fork(after_in_child=_forget_after_fork)
 def connect(conninfo: str, options: Options) -> psycopg.Connection:
     """Open a dedicated autocommit connection (errors are psycopg's, unwrapped)."""
     return psycopg.connect(conninfo, autocommit=True, prepare_threshold=options.prepare_threshold)
+
+
+def listening(conninfo: str, options: Options) -> psycopg.Connection:
+    """A dedicated connection that LISTENs on the schema's notification channel."""
+    conn = connect(conninfo, options)
+    conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(options.channel)))
+    return conn
 
 
 #: Session settings of the broker's pooled connections, which run only the broker's

@@ -101,7 +101,8 @@ class Store:
             enlisted = transactions.current()
             if enlisted is not None:
                 with self.translated(name):
-                    return enlisted.rows(self.schema, self._q[name], params)
+                    check = self._q["schema_installed"]
+                    return enlisted.rows(self.schema, self._q[name], params, check)
         if name in _RELAXED:
             # the statement itself turns synchronous_commit off for its own commit
             params["synchronous_commit"] = "off" if self.options.relax_consumer_commits else None

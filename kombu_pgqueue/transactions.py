@@ -54,12 +54,16 @@ class Enlisted:
         self._run = run
         self._checked: set[str] = set()
 
-    def rows(self, schema: str, query: sql.Composed | sql.SQL, params: dict[str, Any]) -> Rows:
+    def rows(
+        self,
+        schema: str,
+        query: sql.Composed | sql.SQL,
+        params: dict[str, Any],
+        installed: sql.Composed | sql.SQL,
+    ) -> Rows:
+        """Run the store's ``query``; first, once per schema, its ``installed`` check."""
         if schema not in self._checked:
-            found = self._run(
-                sql.SQL("SELECT to_regclass(%(table)s) IS NOT NULL"),
-                {"table": sql.Identifier(schema, "message").as_string(None)},
-            )
+            found = self._run(installed, {"schema": schema})
             if not (found and found[0][0]):
                 raise ConfigurationError(
                     f"the pgqueue schema {schema!r} is not in the database of the connection "

@@ -721,3 +721,14 @@ SELECT
     (SELECT count(*) FROM inserted) AS inserted,
     pg_notify(%(channel)s, wake.payload)
 FROM wake;
+
+-- name: schema_installed :one
+-- Whether the broker's schema is in the database of an application connection that
+-- transaction() enlisted: a transaction cannot span two databases.
+SELECT EXISTS (
+    SELECT 1
+    FROM pg_catalog.pg_class AS c
+    JOIN pg_catalog.pg_namespace AS n ON n.oid = c.relnamespace
+    WHERE n.nspname = %(schema)s
+      AND c.relname = 'message'
+);
