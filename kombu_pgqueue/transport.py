@@ -63,12 +63,12 @@ class QoS(virtual.QoS):
     """Prefetch accounting over leases: acks, rejects and restores go to the consumer."""
 
     def append(self, message: Any, delivery_tag: str) -> None:
-        super().append(message, delivery_tag)
+        super().append(message, delivery_tag)  # type: ignore[no-untyped-call]
         self.channel.consumer.held.hold(delivery_tag)
 
     def ack(self, delivery_tag: str) -> None:
         self.channel.consumer.held.ack(delivery_tag)
-        super().ack(delivery_tag)
+        super().ack(delivery_tag)  # type: ignore[no-untyped-call]
 
     def reject(self, delivery_tag: str, requeue: bool = False) -> None:
         self.channel.consumer.held.reject(delivery_tag, requeue)
@@ -76,7 +76,7 @@ class QoS(virtual.QoS):
 
     def restore_unacked(self) -> list[Any]:
         """Hand back every held message at once; they are redelivered immediately."""
-        self._flush()
+        self._flush()  # type: ignore[no-untyped-call]
         tags = list(self._delivered)
         self._delivered.clear()
         self.channel.consumer.held.restore(tags)
@@ -93,11 +93,10 @@ class Channel(virtual.Channel):
     from_transport_options = ()  # type: ignore[assignment]  # Kombu names two
 
     def __init__(self, connection: Transport, **kwargs: Any) -> None:
-        super().__init__(connection, **kwargs)
+        super().__init__(connection, **kwargs)  # type: ignore[no-untyped-call]
         # kept here: Kombu clears channel.connection when the channel closes
         self.consumer: Consumer = connection.consumer
         self._task_keys: codec.TaskKeys = "publish" if connection.options.dedup_task_ids else None
-        self._noack_queues: set[str] = set()
 
     @property
     def store(self) -> Store:
@@ -182,7 +181,7 @@ class Channel(virtual.Channel):
                 f"exchange {exchange!r}: type {type!r} is not supported by pgqueue "
                 f"(supported: {', '.join(sorted(self.exchange_types))})"
             )
-        super().exchange_declare(exchange, type, durable, auto_delete, arguments, nowait)
+        super().exchange_declare(exchange, type, durable, auto_delete, arguments, nowait)  # type: ignore[no-untyped-call]
         self.store.declare_exchange(exchange, type)
 
     def _exchange_type(self, exchange: str) -> str | None:
@@ -209,7 +208,7 @@ class Channel(virtual.Channel):
     ) -> Any:
         if exchange and self.typeof(exchange).type == "topic":
             topic_pattern(routing_key or "")  # refused before Kombu records the binding
-        return super().queue_bind(queue, exchange, routing_key, arguments, **kwargs)
+        return super().queue_bind(queue, exchange, routing_key, arguments, **kwargs)  # type: ignore[no-untyped-call]
 
     def _queue_bind(self, exchange: str, routing_key: str, pattern: Any, queue: str) -> None:
         check_name("routing key", routing_key or "")
@@ -229,7 +228,7 @@ class Channel(virtual.Channel):
         if exchange:
             self.store.unbind(exchange, routing_key or "", queue)
         try:
-            super().queue_unbind(queue, exchange, routing_key, arguments, **kwargs)
+            super().queue_unbind(queue, exchange, routing_key, arguments, **kwargs)  # type: ignore[no-untyped-call]
         except KeyError:
             pass
 
@@ -244,7 +243,7 @@ class Channel(virtual.Channel):
     def basic_publish(
         self, message: dict[str, Any], exchange: str, routing_key: str, **kwargs: Any
     ) -> None:
-        self._inplace_augment_message(message, exchange, routing_key)
+        self._inplace_augment_message(message, exchange, routing_key)  # type: ignore[no-untyped-call]
         if exchange:
             check_name("exchange", exchange)
             check_name("routing key", routing_key or "")
@@ -257,7 +256,7 @@ class Channel(virtual.Channel):
         check_name("queue", routing_key)
         outgoing = []
         for message in messages:
-            self._inplace_augment_message(message, "", routing_key)
+            self._inplace_augment_message(message, "", routing_key)  # type: ignore[no-untyped-call]
             outgoing.append(self._outgoing(routing_key, message))
         return self.store.publish_many(outgoing)
 
@@ -283,24 +282,19 @@ class Channel(virtual.Channel):
         self, queue: str, no_ack: bool, callback: Any, consumer_tag: str, **kwargs: Any
     ) -> Any:
         check_name("queue", queue)
-        if no_ack:
-            self._noack_queues.add(queue)
-        else:
-            self._noack_queues.discard(queue)
-        result = super().basic_consume(queue, no_ack, callback, consumer_tag, **kwargs)
+        result = super().basic_consume(queue, no_ack, callback, consumer_tag, **kwargs)  # type: ignore[no-untyped-call]
         self.consumer.subscribe(queue, self, no_ack)
         return result
 
     def basic_cancel(self, consumer_tag: str) -> Any:
         queue = self._tag_to_queue.get(consumer_tag)
-        result = super().basic_cancel(consumer_tag)
+        result = super().basic_cancel(consumer_tag)  # type: ignore[no-untyped-call]
         if queue is not None and queue not in self._active_queues:
-            self._noack_queues.discard(queue)
             self.consumer.unsubscribe(queue, self)
         return result
 
     def _get(self, queue: str, timeout: float | None = None) -> dict[str, Any]:
-        rows = self.consumer.fetch(queue, 1, queue in self._noack_queues, self)
+        rows = self.consumer.fetch(queue, 1, self.consumer.no_ack(queue), self)
         if not rows:
             raise Empty()
         return rows[0]
@@ -310,7 +304,7 @@ class Channel(virtual.Channel):
         rows = self.consumer.fetch(queue, 1, no_ack, self)
         if not rows:
             return None
-        message = self.Message(rows[0], channel=self)
+        message = self.Message(rows[0], channel=self)  # type: ignore[no-untyped-call]
         if not no_ack:
             self.qos.append(message, message.delivery_tag)
             self.consumer.held.keep_leases()
@@ -335,7 +329,7 @@ class Transport(virtual.Transport):
 
     def __init__(self, client: Any, **kwargs: Any) -> None:
         self.options = parse_options(client.transport_options)
-        super().__init__(client, **kwargs)
+        super().__init__(client, **kwargs)  # type: ignore[no-untyped-call]
         self.polling_interval = self.options.polling_interval
         self.consumer = Consumer(Store(self._conninfo(), self.options), self.options, self._deliver)
         self._driver: LoopDriver | None = None
@@ -357,11 +351,11 @@ class Transport(virtual.Transport):
         self.store.open()
         self.store.check_pool()
         self.consumer.reopen()
-        return super().establish_connection()
+        return super().establish_connection()  # type: ignore[no-untyped-call]
 
     def close_connection(self, connection: Any) -> None:
         try:
-            super().close_connection(connection)
+            super().close_connection(connection)  # type: ignore[no-untyped-call]
         finally:
             self._unregister()
             self.consumer.close()

@@ -30,6 +30,10 @@ T = TypeVar("T")
 #: seconds between two looks at a condition that no event announces
 POLL_SECONDS = 0.05
 
+#: never set: between two looks at a condition that no event announces, the helper
+#: waits on it for POLL_SECONDS
+_between_looks = threading.Event()
+
 
 class WaitTimeout(AssertionError):
     """What was awaited did not come in time (or, with ``never=True``, came)."""
@@ -99,7 +103,7 @@ def wait_for(
                 return None  # type: ignore[return-value]
             _fail(f"timed out after {timeout}s waiting for {what}", watched, details, last_error)
         if not isinstance(condition, threading.Event):
-            time.sleep(min(POLL_SECONDS, left))
+            _between_looks.wait(min(POLL_SECONDS, left))
 
 
 def _fail(
