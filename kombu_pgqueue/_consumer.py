@@ -81,8 +81,8 @@ class Consumer:
         self._sinks: dict[int, _SinkState] = {}
         #: queues with news, not yet claimed from
         self.pending: set[str] = set()
-        #: queues with a claim in flight (and until when it resumes), those woken meanwhile
-        self._inflight: dict[str, float | None] = {}
+        #: queues with a claim in flight, and those woken meanwhile
+        self._inflight: set[str] = set()
         self._renotified: set[str] = set()
         #: queue -> (priority, id, until): where claims resume, see _claimed
         self._resume: dict[str, tuple[int, int, float]] = {}
@@ -90,13 +90,12 @@ class Consumer:
         self.next_due: float | None = None
         self.next_poll = 0.0
         self._next_sweep = 0.0
-        self.closed = False
         #: the clock of batching, resuming and idleness (tests move it)
         self.clock: Callable[[], float] = time.monotonic
 
     def reopen(self) -> None:
         """The transport connected again (after a close): ack in batches again."""
-        self.closed = self.held.closed = False
+        self.held.closed = False
 
     # -- subscriptions ---------------------------------------------------------------
 
@@ -116,6 +115,11 @@ class Consumer:
     @property
     def consuming(self) -> bool:
         return bool(self._subs)
+
+    def no_ack(self, queue: str) -> bool:
+        """Whether ``queue`` is consumed without acks (taken, not leased)."""
+        sub = self._subs.get(queue)
+        return sub is not None and sub.no_ack
 
     @property
     def in_flight(self) -> frozenset[str]:
@@ -186,14 +190,14 @@ class Consumer:
         if resume is not None and now >= resume[2]:
             resume = None
         after = None if resume is None else resume[:2]
-        self._inflight[queue] = None if resume is None else resume[2]
+        self._inflight.add(queue)
         return self.store.claim_request(queue, limit, new_lease(), after=after)
 
     def claimed(self, result: ClaimResult) -> list[dict[str, Any]]:
         """Kombu's payloads of what a claim brought; note where the queue resumes."""
         request, rows = result.request, result.rows
         queue = request.queue
-        until = self._inflight.pop(queue, None)
+        self._inflight.discard(queue)
         if request.after is None:
             if rows and result.took > SLOW_CLAIM_SECONDS:
                 # the slower the head, the longer until the next look at it (at most
@@ -202,7 +206,9 @@ class Consumer:
                 self._resume[queue] = (rows[-1].priority, rows[-1].id, until)
             else:
                 self._resume.pop(queue, None)
-        elif rows and until is not None:
+        elif rows:
+            # resumed: the position moves on, the period it ends with stays
+            until = self._resume[queue][2]
             self._resume[queue] = (rows[-1].priority, rows[-1].id, until)
         # A short range means this consumer caught up with the producers; it does not go
         # back to the head for the rest (that would cost a slow head walk per wakeup, as
@@ -223,7 +229,7 @@ class Consumer:
         try:
             result = self.store.run_claim(request)
         except BaseException:
-            self._inflight.pop(queue, None)
+            self._inflight.discard(queue)
             raise
         return self.claimed(result)
 
@@ -287,7 +293,7 @@ class Consumer:
             renotified = queue in self._renotified
             self._renotified.discard(queue)
             if result.error is not None:
-                self._inflight.pop(queue, None)
+                self._inflight.discard(queue)
                 error = error or result.error  # the queue stays pending: claimed again
                 continue
             payloads = self.claimed(result)
@@ -381,7 +387,6 @@ class Consumer:
     def close(self) -> None:
         """Stop acking, renewing and listening; what is held returns when leases end
         (Kombu's channels restore their unacked messages before this)."""
-        self.closed = True
         self.held.close()
         self.stop_claimer()
         if self.listener is not None:

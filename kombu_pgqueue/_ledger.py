@@ -62,10 +62,6 @@ class Ledger:
         with self._lock:
             return list(self._held.values())
 
-    def clear(self) -> None:
-        with self._lock:
-            self._held.clear()
-
 
 class Held:
     """What one consumer holds unacked, with its lease keeper and ack batcher."""

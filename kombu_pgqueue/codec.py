@@ -83,9 +83,14 @@ def outgoing(queue: str, message: Mapping[str, Any], *, task_keys: TaskKeys) -> 
     headers = message.get("headers") or {}
     properties = message.get("properties") or {}
     key = dedup_key(headers, properties, task_keys)
-    if PUBLISH_ID in properties:
-        # per publish call, not per message: a republished delivery gets a new one
-        properties = {k: v for k, v in properties.items() if k != PUBLISH_ID}
+    # the call's id stays in the caller's dict (a retry of the call finds it there) but
+    # out of the stored row: a delivery published again is a new call
+    publish_id = properties.pop(PUBLISH_ID, None)
+    try:
+        properties_json = _properties_json(queue, properties)
+    finally:
+        if publish_id is not None:
+            properties[PUBLISH_ID] = publish_id
     try:
         # NaN and Infinity are not JSON; PostgreSQL would refuse them later
         headers_json = dumps(headers, allow_nan=False)
@@ -93,7 +98,6 @@ def outgoing(queue: str, message: Mapping[str, Any], *, task_keys: TaskKeys) -> 
         raise MessageError(
             f"message for queue {queue!r} has headers that cannot be stored as JSON: {exc}"
         ) from exc
-    properties_json = _properties_json(queue, properties)
     return Outgoing(
         queue=queue,
         body=bytes(body),
