@@ -18,9 +18,14 @@ they do for any other row.
 ``Connection`` (any PostgreSQL driver with ``%(name)s`` parameters: psycopg 3 or
 psycopg2), or Django's ``connection`` (``django.db.connections[alias]``: the
 statements go through its cursor, so they join the ``atomic()`` block it is in).
-The broker's schema must live in the same database: the first publish checks for
-it and raises :class:`~kombu_pgqueue.ConfigurationError` if it is not there,
-since a transaction cannot span two databases.
+``conn`` must reach the broker's own database on the broker's own server: a
+transaction cannot span two databases, and another database that also holds the
+broker's schema would take the message where no consumer of the broker looks. The
+first publish through a connection compares the two (:class:`Database`: the
+cluster's system identifier, the database's oid and the server's start time, which
+every role may read and which are the same through PgBouncer or any address) and
+raises :class:`~kombu_pgqueue.ConfigurationError` naming both when they differ.
+The answer is kept per connection, so later blocks on it send no extra statement.
 
 Asynchronous handles (psycopg's ``AsyncConnection``, SQLAlchemy's ``AsyncSession``)
 are refused: Kombu publishes synchronously, and a synchronous call cannot wait for
@@ -34,10 +39,13 @@ when no ``transaction()`` block is active.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Any
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Protocol
 
 import psycopg
 from psycopg import sql
@@ -45,13 +53,69 @@ from psycopg import sql
 from .exceptions import ConfigurationError
 
 Rows = list[tuple[Any, ...]]
+Run = Callable[[sql.Composed | sql.SQL, dict[str, Any]], Rows]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Database:
+    """Which database of which server a connection reaches (statement ``database_identity``).
+
+    ``system`` (the cluster's system identifier) and ``oid`` tell clusters and their
+    databases apart, but a server restored from a copy of another (a snapshot, a base
+    backup) has the other's of both; ``started``, its postmaster's start time, differs.
+    ``address`` and ``port`` name the server in messages only: the same server reached
+    through PgBouncer, a Unix socket or another address reports others.
+    """
+
+    name: str
+    oid: int
+    system: int
+    started: datetime
+    address: str | None
+    port: int | None
+
+    @classmethod
+    def from_row(cls, row: tuple[Any, ...]) -> Database:
+        """From a ``database_identity`` row: name, oid, system, started, address, port."""
+        name, oid, system, started, address, port = row
+        return cls(
+            name=name,
+            oid=int(oid),
+            system=int(system),
+            started=started,
+            address=address,
+            port=None if port is None else int(port),
+        )
+
+    def same(self, other: Database) -> bool:
+        """Whether both are the same database of the same running server."""
+        return (self.system, self.oid, self.started) == (other.system, other.oid, other.started)
+
+    def __str__(self) -> str:
+        where = f"{self.address}:{self.port}" if self.address else "a Unix socket"
+        return (
+            f"database {self.name!r} (oid {self.oid}) of the server at {where} "
+            f"(system identifier {self.system}, started {self.started.isoformat()})"
+        )
+
+
+class BrokerDatabase(Protocol):
+    """The broker's :class:`Database`, read once by its store; again when ``fresh``."""
+
+    def __call__(self, *, fresh: bool = False) -> Database: ...
+
+
+#: each application connection's Database, keyed on the driver's connection object
+_databases: weakref.WeakKeyDictionary[Any, Database] = weakref.WeakKeyDictionary()
 
 
 class Enlisted:
     """Runs statements on the application's connection, in its transaction."""
 
-    def __init__(self, run: Callable[[sql.Composed | sql.SQL, dict[str, Any]], Rows]) -> None:
+    def __init__(self, run: Run, driver: Callable[[], Any] | None = None) -> None:
         self._run = run
+        #: the driver's connection object under ``run``: its Database is kept per object
+        self._driver = driver
         self._checked: set[str] = set()
 
     def rows(
@@ -59,10 +123,18 @@ class Enlisted:
         schema: str,
         query: sql.Composed | sql.SQL,
         params: dict[str, Any],
-        installed: sql.Composed | sql.SQL,
+        installed: sql.Composed | sql.SQL | None = None,
+        *,
+        identity: sql.Composed | sql.SQL | None = None,
+        broker: BrokerDatabase | None = None,
     ) -> Rows:
-        """Run the store's ``query``; first, once per schema, its ``installed`` check."""
-        if schema not in self._checked:
+        """Run the store's ``query`` once this connection is known to reach the broker's
+        database (``identity``, the ``database_identity`` statement, run here and by the
+        store through ``broker``). A store that passes neither gets the older, weaker
+        check: once per schema, its ``installed`` statement."""
+        if identity is not None and broker is not None:
+            self._check_database(schema, identity, broker)
+        elif installed is not None and schema not in self._checked:
             found = self._run(installed, {"schema": schema})
             if not (found and found[0][0]):
                 raise ConfigurationError(
@@ -73,6 +145,54 @@ class Enlisted:
                 )
             self._checked.add(schema)
         return self._run(query, params)
+
+    def _check_database(
+        self, schema: str, identity: sql.Composed | sql.SQL, broker: BrokerDatabase
+    ) -> None:
+        here, there = self._database(identity), broker()
+        if here.same(there):
+            return
+        # either answer may be stale (a restarted server has a new start time): read
+        # both again before refusing
+        here, there = self._database(identity, fresh=True), broker(fresh=True)
+        if not here.same(there):
+            raise ConfigurationError(
+                f"transaction() was given a connection to {here}, but the broker's pgqueue "
+                f"schema {schema!r} is in {there}. A transaction cannot span two "
+                "databases, and the message would be written where no consumer of this "
+                "broker looks. Pass a connection to the broker's database, or publish "
+                "after commit instead (Django: transaction.on_commit)."
+            )
+
+    def _database(self, identity: sql.Composed | sql.SQL, *, fresh: bool = False) -> Database:
+        driver = self._driver() if self._driver is not None else None
+        if not fresh and driver is not None:
+            known = _known(driver)
+            if known is not None:
+                return known
+        found = self._run(identity, {})
+        if not found:
+            raise ConfigurationError(
+                "transaction()'s connection did not say which database it is connected to"
+            )
+        database = Database.from_row(found[0])
+        if driver is not None:
+            _remember(driver, database)
+        return database
+
+
+def _known(driver: Any) -> Database | None:
+    try:
+        return _databases.get(driver)
+    except TypeError:  # a driver connection that takes no weak reference: not kept
+        return None
+
+
+def _remember(driver: Any, database: Database) -> None:
+    try:
+        _databases[driver] = database
+    except TypeError:
+        pass
 
 
 _current: ContextVar[Enlisted | None] = ContextVar("pgqueue_enlisted", default=None)
@@ -103,17 +223,18 @@ def add_resolver(resolve: Callable[[], Enlisted | None]) -> Callable[[], None]:
 
 def enlist(conn: Any) -> Enlisted:
     """An :class:`Enlisted` writing through ``conn`` (the kinds ``transaction()`` takes)."""
-    return Enlisted(_runner(conn))
+    return Enlisted(*_runner(conn))
 
 
-def _runner(conn: Any) -> Callable[[sql.Composed | sql.SQL, dict[str, Any]], Rows]:
+def _runner(conn: Any) -> tuple[Run, Callable[[], Any]]:
+    """How to run a statement on ``conn``, and how to reach its driver connection."""
     if isinstance(conn, psycopg.Connection):
 
         def run_psycopg(query: sql.Composed | sql.SQL, params: dict[str, Any]) -> Rows:
             cur = conn.execute(query, params)
             return cur.fetchall() if cur.description else []
 
-        return run_psycopg
+        return run_psycopg, lambda: conn
     if isinstance(conn, psycopg.AsyncConnection) or hasattr(conn, "run_sync"):
         raise ConfigurationError(
             f"transaction() cannot use an asynchronous {type(conn).__name__}: Kombu "
@@ -134,10 +255,15 @@ def _runner(conn: Any) -> Callable[[sql.Composed | sql.SQL, dict[str, Any]], Row
         result = sa_connection.exec_driver_sql(query.as_string(None), params)
         return [tuple(row) for row in result.fetchall()] if result.returns_rows else []
 
-    return run_sqlalchemy
+    def sqlalchemy_driver() -> Any:
+        # the pool's connection outlives the Session and the Connection around it
+        pooled = sa_connection.connection
+        return getattr(pooled, "dbapi_connection", pooled)
+
+    return run_sqlalchemy, sqlalchemy_driver
 
 
-def _django_runner(conn: Any) -> Callable[[sql.Composed | sql.SQL, dict[str, Any]], Rows]:
+def _django_runner(conn: Any) -> tuple[Run, Callable[[], Any]]:
     # Django's cursor, not the raw driver connection: it opens the connection when
     # needed, refuses queries in a broken atomic block, and shows up in
     # connection.queries and execute_wrapper() like the application's own SQL
@@ -158,7 +284,12 @@ def _django_runner(conn: Any) -> Callable[[sql.Composed | sql.SQL, dict[str, Any
                 raise exc.__cause__ from None
             raise
 
-    return run_django
+    def django_driver() -> Any:
+        # a new one after Django reconnects (CONN_MAX_AGE, a dropped connection)
+        conn.ensure_connection()
+        return conn.connection
+
+    return run_django, django_driver
 
 
 @contextmanager
