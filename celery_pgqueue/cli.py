@@ -64,6 +64,7 @@ def _dead_dict(dead: admin.DeadLetter, *, body: bool = False) -> dict[str, Any]:
         "task": headers.get("task"),
         "task_id": headers.get("id"),
         "reason": dead.reason,
+        "error": dead.error,
         "attempts": dead.attempts,
         "priority": dead.priority,
         "created_at": dead.created_at.isoformat(),

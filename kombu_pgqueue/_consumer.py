@@ -22,6 +22,7 @@ from ._claimer import Claimer
 from ._ledger import Held, Sink
 from ._listener import Listener, Wakeups
 from ._options import Options
+from ._resume import ResumePositions
 from ._store import Store, new_lease
 from .records import ClaimRequest, ClaimResult
 
@@ -43,17 +44,6 @@ CLAIM_BATCH_WAIT = 0.05
 #: prefork worker
 IDLE_INLINE_SECONDS = 0.02
 
-#: a claim from the head that took longer than this in the server (it stepped over many
-#: acked rows that VACUUM may not remove yet, e.g. while an old snapshot is held) makes
-#: the consumer resume after its last message for RESUME_SECONDS, or 20 times that
-#: claim's duration if longer; then it claims from the head again, which also picks up
-#: requeued messages, lease expiries and higher priorities (they wait that long at most,
-#: plus a safety poll if nothing else wakes the consumer, and only while the head is
-#: slow). The server's time, not the client's: an asynchronous claim's answer may wait
-#: in its socket while the event loop is busy, and that says nothing about the head.
-SLOW_CLAIM_SECONDS = 0.005
-RESUME_SECONDS = 1.0
-
 
 @dataclass(slots=True)
 class _Subscription:
@@ -69,10 +59,18 @@ class _SinkState:
 
 
 class Consumer:
-    def __init__(self, store: Store, options: Options, deliver: Deliver) -> None:
+    def __init__(
+        self,
+        store: Store,
+        options: Options,
+        deliver: Deliver,
+        connection_errors: tuple[type[BaseException], ...] = (),
+    ) -> None:
         self.store = store
         self.options = options
         self._deliver = deliver
+        #: a callback that raises one of these lost its connection: not the message's fault
+        self._connection_errors = connection_errors
         #: the deliveries held unacked: acks, rejects, restores and lease renewals
         self.held = Held(store, options)
         self.listener: Listener | None = None
@@ -85,7 +83,7 @@ class Consumer:
         self._inflight: set[str] = set()
         self._renotified: set[str] = set()
         #: queue -> (priority, id, until): where claims resume, see _claimed
-        self._resume: dict[str, tuple[int, int, float]] = {}
+        self._resume = ResumePositions()
         self._last_delivery = 0.0
         self.next_due: float | None = None
         self.next_poll = 0.0
@@ -186,10 +184,7 @@ class Consumer:
     def request(self, queue: str, sink: Sink, limit: int) -> ClaimRequest:
         """How to claim from ``queue`` now: from its head, or after its last message."""
         now = self._state(sink).last_claim = self.clock()
-        resume = self._resume.get(queue)
-        if resume is not None and now >= resume[2]:
-            resume = None
-        after = None if resume is None else resume[:2]
+        after = self._resume.after(queue, now)
         self._inflight.add(queue)
         return self.store.claim_request(queue, limit, new_lease(), after=after)
 
@@ -198,21 +193,7 @@ class Consumer:
         request, rows = result.request, result.rows
         queue = request.queue
         self._inflight.discard(queue)
-        if request.after is None:
-            if rows and result.took > SLOW_CLAIM_SECONDS:
-                # the slower the head, the longer until the next look at it (at most
-                # about 5 % of the time goes to claims from the head)
-                until = self.clock() + max(RESUME_SECONDS, 20 * result.took)
-                self._resume[queue] = (rows[-1].priority, rows[-1].id, until)
-            else:
-                self._resume.pop(queue, None)
-        elif rows:
-            # resumed: the position moves on, the period it ends with stays
-            until = self._resume[queue][2]
-            self._resume[queue] = (rows[-1].priority, rows[-1].id, until)
-        # A short range means this consumer caught up with the producers; it does not go
-        # back to the head for the rest (that would cost a slow head walk per wakeup, as
-        # often as messages arrive): requeued and older messages wait for the period.
+        self._resume.note(result, self.clock())
         if rows:
             _counters.add("claimed", queue, len(rows))
             _counters.add("redelivered", queue, sum(row.attempts > 1 for row in rows))
@@ -330,9 +311,26 @@ class Consumer:
         for n, payload in enumerate(payloads):
             try:
                 self._deliver(payload, queue)
-            except BaseException as exc:
+            except Exception as exc:
+                if self.options.callback_errors == "raise" or isinstance(
+                    exc, self._connection_errors
+                ):
+                    return exc, payloads[n + 1 :]
+                self._poisoned(queue, payload, exc)
+            except BaseException as exc:  # the process is exiting: hand the rest back
                 return exc, payloads[n + 1 :]
         return None, []
+
+    def _poisoned(self, queue: str, payload: dict[str, Any], exc: Exception) -> None:
+        """The callback raised on this message: dead-letter it and go on consuming, so
+        that no single message can take its consumer down (and every consumer after it)."""
+        tag = payload["properties"]["delivery_tag"]
+        try:
+            self.held.poisoned(queue, tag, exc)
+        finally:
+            sub = self._subs.get(queue)
+            if sub is not None:
+                sub.sink.forget(tag)
 
     def _release_payloads(self, payloads: list[dict[str, Any]]) -> None:
         tags = [payload["properties"]["delivery_tag"] for payload in payloads]

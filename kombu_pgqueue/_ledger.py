@@ -34,6 +34,9 @@ class Sink(Protocol):
     def holding(self) -> int:
         """How many delivered messages it holds unacked."""
 
+    def forget(self, tag: str) -> None:
+        """The consumer settled ``tag`` itself (dead-lettered it): stop counting it."""
+
 
 class Ledger:
     def __init__(self) -> None:
@@ -57,6 +60,10 @@ class Ledger:
         settled = [self.settle(tag) for tag in tags]
         return [(message_id, lease) for message_id, lease in settled if lease]
 
+    def holds(self, tag: str) -> bool:
+        with self._lock:
+            return tag in self._held
+
     def held(self) -> list[tuple[int, int]]:
         """(id, lease) of everything held now (any thread)."""
         with self._lock:
@@ -75,6 +82,8 @@ class Held:
         self.acks: AckBatcher | None = AckBatcher(store) if options.batch_acks else None
         #: after close: acks go straight to the store
         self.closed = False
+        #: tag -> why its body could not be decoded: its ack dead-letters it instead
+        self._undecodable: dict[str, str] = {}
 
     def use_store(self, store: Store) -> None:
         self.store = self._keeper.store = store
@@ -89,7 +98,17 @@ class Held:
         runs from the first subscription or basic_get on (keep_leases)."""
         self._ledger.hold(tag)
 
+    def undecodable(self, tag: str, error: BaseException) -> None:
+        """The body of ``tag`` could not be decoded: when its consumer acks it to be rid
+        of it (Celery does), it goes to the dead letters, where a person can see it."""
+        if self._ledger.holds(tag):
+            self._undecodable[tag] = f"{type(error).__name__}: {error}"
+
     def ack(self, tag: str) -> None:
+        error = self._undecodable.pop(tag, None)
+        if error is not None:
+            self.bury(tag, "undecodable", error)
+            return
         message_id, lease = self.settle(tag)
         _counters.add("acked")
         if self.acks is not None and not self.closed:
@@ -113,7 +132,49 @@ class Held:
                 message_id,
             )
 
+    def bury(self, tag: str, reason: str, error: str) -> bool:
+        """Move ``tag`` to the dead letters with ``reason`` and ``error``; False when it
+        was not held (settled already, or taken without ack: then it is gone)."""
+        self._undecodable.pop(tag, None)
+        held = self._ledger.holds(tag)
+        message_id, lease = self.settle(tag)
+        if not held:
+            return False
+        _counters.add("rejected")
+        return self.store.bury(message_id, lease, reason, error)
+
+    def poisoned(self, queue: str, tag: str, exc: Exception) -> None:
+        """The consumer's callback raised ``exc`` on ``tag``: dead-letter it (reason
+        consumer_error, with the exception's text) and log an error naming it."""
+        message_id, _ = codec.parse_tag(tag)
+        error = f"{type(exc).__name__}: {exc}"
+        try:
+            buried = self.bury(tag, "consumer_error", error)
+        except Exception as lost:
+            logger.error(
+                "pgqueue: the consumer's callback raised on message %s of queue %r (%s); "
+                "moving it to the dead letters failed (%r): it is delivered again when "
+                "its lease ends",
+                message_id,
+                queue,
+                error,
+                lost,
+                exc_info=exc,
+            )
+            return
+        logger.error(
+            "pgqueue: the consumer's callback raised on message %s of queue %r; %s: %s",
+            message_id,
+            queue,
+            f"moved to the dead letters (celery pgqueue dead show {message_id})"
+            if buried
+            else "it was acked already or taken without ack, so it is gone",
+            error,
+            exc_info=exc,
+        )
+
     def reject(self, tag: str, requeue: bool) -> None:
+        self._undecodable.pop(tag, None)
         message_id, lease = self.settle(tag)
         if requeue:
             self.store.requeue(message_id, lease)
@@ -123,15 +184,22 @@ class Held:
             _counters.add("rejected")
 
     def restore(self, tags: Iterable[str]) -> None:
-        """Hand back held deliveries at once: they are delivered again immediately."""
+        """Hand back held deliveries at once: they are delivered again immediately. They
+        reached the callback, so this delivery still counts against max_attempts."""
         self.flush_acks()
-        self.release(self.settle_all(tags))
+        tags = list(tags)
+        for tag in tags:
+            self._undecodable.pop(tag, None)
+        self.release(self.settle_all(tags), uncount=False)
 
-    def release(self, held: list[tuple[int, int]]) -> None:
+    def release(self, held: list[tuple[int, int]], *, uncount: bool = True) -> None:
+        """Hand back ``held`` (id, lease) pairs; ``uncount``: they never reached a
+        callback, so this delivery does not count against max_attempts."""
         if not held:
             return
         try:
-            self.store.release([i for i, _ in held], [lease for _, lease in held])
+            ids, leases = [i for i, _ in held], [lease for _, lease in held]
+            self.store.release(ids, leases, uncount=uncount)
         except Exception as exc:  # best effort: the leases lapse by themselves
             logger.warning(
                 "pgqueue: could not release %d messages (%r); they return when their leases end",

@@ -53,6 +53,14 @@ Transport options
   publishes several times faster on slow disks but a database crash can lose the last
   few hundred milliseconds of published messages, as Redis without AOF can. Off by
   default; benchmarked separately.
+* ``callback_errors`` (``"dead_letter"`` or ``"raise"``, ``"dead_letter"``): what happens
+  when the consumer's callback raises on a message (a Celery worker's does on a task
+  message of the wrong shape, and would exit). ``"dead_letter"`` moves that message to
+  the dead letters with reason ``consumer_error`` and the exception's text, logs an
+  error naming the queue and message id, and goes on consuming. ``"raise"`` lets the
+  exception out of ``drain_events`` (Kombu's own behaviour); the message then returns
+  when the consumer closes or its lease ends, and counts against ``max_attempts``.
+  A connection error raised in the callback always propagates.
 * ``libpq`` (dict, {}): extra libpq connection parameters; top-level options
   named like libpq keywords (``sslmode``, ``application_name``, ...) go there too.
 """
@@ -103,6 +111,7 @@ class Options:
     pool_max_size: int = 8
     pool_timeout: float = 30.0
     prepare_threshold: int | None = 5
+    callback_errors: str = "dead_letter"
     libpq: Mapping[str, str] = field(default_factory=dict)
 
     @property
@@ -245,6 +254,13 @@ def parse_options(transport_options: Mapping[str, Any]) -> Options:
         kwargs["prepare_threshold"] = (
             None if value is None else _number("prepare_threshold", value, minimum=0, integer=True)
         )
+    if topts.get("callback_errors") is not None:
+        if topts["callback_errors"] not in ("dead_letter", "raise"):
+            raise ConfigurationError(
+                "transport option 'callback_errors' must be 'dead_letter' or 'raise', "
+                f"got {topts['callback_errors']!r}"
+            )
+        kwargs["callback_errors"] = topts["callback_errors"]
     if "claim_thread" in topts and "async_claims" not in topts:
         topts["async_claims"] = topts["claim_thread"]  # its name before 2026-11-24
     for name in (

@@ -229,14 +229,22 @@ class Store:
         return self._one("requeue", params) is not None
 
     def release(
-        self, ids: Sequence[int], leases: Sequence[int], now: datetime | None = None
+        self,
+        ids: Sequence[int],
+        leases: Sequence[int],
+        now: datetime | None = None,
+        *,
+        uncount: bool = True,
     ) -> None:
+        """Hand back leased messages; ``uncount``: they never reached a callback, so
+        this delivery does not count against max_attempts."""
         if ids:
             params = {"ids": list(ids), "leases": list(leases), "channel": self.options.channel}
-            self._rows("release", {**params, "now": now})
+            self._rows("release", {**params, "now": now, "uncount": uncount})
 
-    def bury(self, id: int, lease: int, reason: str) -> bool:
-        return self._one("bury", {"id": id, "lease": lease, "reason": reason}) is not None
+    def bury(self, id: int, lease: int, reason: str, error: str | None = None) -> bool:
+        params = {"id": id, "lease": lease, "reason": reason, "error": error}
+        return self._one("bury", params) is not None
 
     def renew(
         self, ids: Sequence[int], leases: Sequence[int], now: datetime | None = None

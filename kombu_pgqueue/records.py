@@ -86,6 +86,9 @@ class DeadLetter:
     content_encoding: str | None
     headers: str
     properties: str
+    #: the exception a consumer's callback raised on it, or why its body could not be
+    #: decoded (reasons consumer_error and undecodable); None otherwise
+    error: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -74,6 +74,10 @@ class QoS(virtual.QoS):
         self.channel.consumer.held.reject(delivery_tag, requeue)
         self._quick_ack(delivery_tag)
 
+    def forget(self, delivery_tag: str) -> None:
+        """Settled by the consumer itself (dead-lettered): no longer held."""
+        self._quick_ack(delivery_tag)
+
     def restore_unacked(self) -> list[Any]:
         """Hand back every held message at once; they are redelivered immediately."""
         self._flush()  # type: ignore[no-untyped-call]
@@ -83,8 +87,21 @@ class QoS(virtual.QoS):
         return []
 
 
+class Message(virtual.Message):
+    """A delivery whose body failed to decode is marked, so that its ack (Celery acks
+    such a message to be rid of it) moves it to the dead letters instead."""
+
+    def decode(self) -> Any:
+        try:
+            return super().decode()  # type: ignore[no-untyped-call]
+        except Exception as exc:
+            self.channel.consumer.held.undecodable(self.delivery_tag, exc)
+            raise
+
+
 class Channel(virtual.Channel):
     QoS = QoS
+    Message = Message
     supports_fanout = True
     # bodies are stored as bytea; no base64 on the way
     body_encoding = None  # type: ignore[assignment]  # Kombu: "base64"; None means raw
@@ -115,6 +132,9 @@ class Channel(virtual.Channel):
 
     def holding(self) -> int:
         return len(self.qos._delivered) - len(self.qos._dirty)
+
+    def forget(self, tag: str) -> None:
+        self.qos.forget(tag)
 
     # -- declarations ----------------------------------------------------------
 
@@ -331,7 +351,12 @@ class Transport(virtual.Transport):
         self.options = parse_options(client.transport_options)
         super().__init__(client, **kwargs)  # type: ignore[no-untyped-call]
         self.polling_interval = self.options.polling_interval
-        self.consumer = Consumer(Store(self._conninfo(), self.options), self.options, self._deliver)
+        self.consumer = Consumer(
+            Store(self._conninfo(), self.options),
+            self.options,
+            self._deliver,
+            type(self).connection_errors,
+        )
         self._driver: LoopDriver | None = None
 
     @property

@@ -297,13 +297,15 @@ WHERE id = %(id)s
 RETURNING id, pg_notify(%(channel)s, 'r:' || queue);
 
 -- name: release :many
--- A closing consumer hands back what it held but never processed; the delivery
--- does not count against max_attempts.
+-- A consumer hands back what it held. Messages it never handed to its callback
+-- (uncount true) do not count against max_attempts; those its callback had (restored
+-- at shutdown or reconnect) keep their count, so a message that takes its consumer
+-- down cannot come back forever.
 WITH released AS (
     UPDATE {schema}.message AS m
     SET next_iteration = coalesce(%(now)s::timestamptz, now()),
         lease = NULL,
-        attempts = greatest(m.attempts - 1, 0)
+        attempts = CASE WHEN %(uncount)s THEN greatest(m.attempts - 1, 0) ELSE m.attempts END
     FROM unnest(%(ids)s::bigint[], %(leases)s::bigint[]) AS held (id, lease)
     WHERE m.id = held.id
       AND m.id = ANY(%(ids)s::bigint[])
@@ -333,10 +335,10 @@ WITH gone AS (
               content_type, content_encoding, headers, properties
 )
 INSERT INTO {schema}.dead_letter (
-    id, queue, priority, attempts, reason, created_at, dedup_key,
+    id, queue, priority, attempts, reason, error, created_at, dedup_key,
     body, content_type, content_encoding, headers, properties
 )
-SELECT id, queue, priority, attempts, %(reason)s, created_at, dedup_key,
+SELECT id, queue, priority, attempts, %(reason)s, %(error)s, created_at, dedup_key,
        body, content_type, content_encoding, headers, properties
 FROM gone
 RETURNING id;
@@ -532,7 +534,7 @@ ORDER BY routing_key, queue;
 
 -- name: dead_letters :many
 SELECT id, queue, priority, attempts, reason, created_at, died_at,
-       body, content_type, content_encoding, headers::text, properties::text
+       body, content_type, content_encoding, headers::text, properties::text, error
 FROM {schema}.dead_letter
 WHERE (%(queue)s::text IS NULL OR queue = %(queue)s)
 ORDER BY died_at, id
@@ -617,7 +619,7 @@ ORDER BY named.queue;
 
 -- name: dead_letter :one
 SELECT id, queue, priority, attempts, reason, created_at, died_at,
-       body, content_type, content_encoding, headers::text, properties::text
+       body, content_type, content_encoding, headers::text, properties::text, error
 FROM {schema}.dead_letter
 WHERE id = %(id)s;
 

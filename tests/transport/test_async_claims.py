@@ -11,6 +11,7 @@ and to a claim that fails in the database or is in flight when the claimer close
 
 from __future__ import annotations
 
+import logging
 import select
 import threading
 import time
@@ -22,7 +23,7 @@ import pytest
 from kombu import Connection, Consumer, Producer, Queue
 from kombu.asynchronous import Hub
 
-from kombu_pgqueue import _consumer
+from kombu_pgqueue import _consumer, _resume
 from kombu_pgqueue._listener import Wakeups
 from kombu_pgqueue._store import Store
 
@@ -63,10 +64,10 @@ def busy(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _registered(
-    make_connection: Callable[..., Connection], hub: Hub, queue: str, n: int
+    make_connection: Callable[..., Connection], hub: Hub, queue: str, n: int, **options: Any
 ) -> Connection:
     """A connection in ``hub``'s loop, with ``n`` messages waiting in ``queue``."""
-    conn = make_connection(**QUIET)
+    conn = make_connection(**QUIET, **options)
     _fill(conn, queue, n)
     conn.transport.register_with_event_loop(conn.connection, hub)
     return conn
@@ -88,10 +89,14 @@ def _consume(
 
 
 def _failing_on_second(
-    make_connection: Callable[..., Connection], hub: Hub, queue: str, prefetch: int
+    make_connection: Callable[..., Connection],
+    hub: Hub,
+    queue: str,
+    prefetch: int,
+    callback_errors: str = "raise",
 ) -> tuple[Connection, list[int]]:
     """A consumer of five messages in ``queue`` whose callback raises on the second."""
-    conn = _registered(make_connection, hub, queue, 5)
+    conn = _registered(make_connection, hub, queue, 5, callback_errors=callback_errors)
     got: list[int] = []
 
     def on_message(body: int, message: Any) -> None:
@@ -343,6 +348,40 @@ def test_a_callback_error_in_an_idle_consumers_inline_claim_releases_the_rest(
 
 
 @pytest.mark.usefixtures("busy")
+def test_a_callback_error_dead_letters_that_message_and_the_batch_goes_on(
+    make_connection: Callable[..., Connection],
+    hub: Hub,
+    store: Store,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    conn, got = _failing_on_second(make_connection, hub, "ctdl", 5, "dead_letter")
+    consumer = conn.transport.consumer
+    consumer.deliver_pending()  # one batch of 5, sent
+
+    with caplog.at_level(logging.ERROR, logger="kombu_pgqueue"):
+        _take_answer(conn, "ctdl")  # no error out of the loop
+
+    assert got == [0, 1, 2, 3, 4]
+    [dead] = store.dead_letters("ctdl")
+    assert (bytes(dead.body), dead.reason) == (b"1", "consumer_error")
+    assert dead.error == "RuntimeError: the consumer's callback failed"
+    assert f"on message {dead.id} of queue 'ctdl'" in caplog.text
+    # the others stay held (the callback did not ack them), the dead one is not
+    assert conn.default_channel.holding() == 4
+
+
+def test_an_inline_claim_dead_letters_the_failing_message_and_delivers_the_rest(
+    make_connection: Callable[..., Connection], hub: Hub, store: Store
+) -> None:
+    conn, got = _failing_on_second(make_connection, hub, "ctdli", 5, "dead_letter")
+
+    conn.transport.consumer.deliver_pending()  # idle: claims all 5 in this thread
+
+    assert got == [0, 1, 2, 3, 4]
+    assert [bytes(d.body) for d in store.dead_letters("ctdli")] == [b"1"]
+
+
+@pytest.mark.usefixtures("busy")
 def test_drain_events_still_delivers_while_registered_with_a_loop(
     make_connection: Callable[..., Connection], hub: Hub
 ) -> None:
@@ -444,7 +483,7 @@ def test_only_time_in_the_server_counts_a_claim_as_slow_not_a_busy_loop(
     # a slow claim (a long walk over acked rows at the head) makes the consumer resume
     # after its last message for a while; a loop that was busy when the answer came
     # must not, or priorities and requeues would wait for nothing
-    monkeypatch.setattr(_consumer, "SLOW_CLAIM_SECONDS", 0.1)
+    monkeypatch.setattr(_resume, "SLOW_CLAIM_SECONDS", 0.1)
     conn = _registered(make_connection, hub, "ctslow", 4)
     consumer = conn.transport.consumer
     clock = consumer.clock = _ClientClock()
@@ -462,7 +501,7 @@ def test_only_time_in_the_server_counts_a_claim_as_slow_not_a_busy_loop(
     assert consumer.resume_position("ctslow") is None
 
     # the same claim with any time in the server counting as slow: it resumes
-    monkeypatch.setattr(_consumer, "SLOW_CLAIM_SECONDS", 0.0)
+    monkeypatch.setattr(_resume, "SLOW_CLAIM_SECONDS", 0.0)
     held.pop().ack()
     consumer.pending.add("ctslow")
     consumer.deliver_pending()

@@ -102,8 +102,9 @@ def test_release_on_connection_close_hands_consumed_messages_back_at_once(
 
     taken = [other.basic_get("released-conn") for _ in range(4)]
     assert [m.payload if m else None for m in taken] == [0, 1, 2, 3]
-    # handed back unprocessed: the delivery did not count as an attempt
-    assert [m.delivery_info["pgqueue_attempts"] for m in taken if m] == [1, 1, 1, 1]
+    # they reached the callback: that delivery counts, so a message that takes its
+    # consumer down every time reaches max_attempts instead of coming back forever
+    assert [m.delivery_info["pgqueue_attempts"] for m in taken if m] == [2, 2, 2, 2]
 
 
 def test_release_leaves_acked_and_rejected_messages_alone(

@@ -1,4 +1,4 @@
-"""Claims that resume after the consumer's last message (see kombu_pgqueue._consumer).
+"""Claims that resume after the consumer's last message (see kombu_pgqueue._resume).
 
 With an old snapshot held elsewhere, acked rows at the head of a queue cannot be
 vacuumed and a claim from the head steps over all of them; a consumer whose claim was
@@ -16,7 +16,7 @@ import pytest
 from kombu import Connection, Producer, Queue
 from psycopg import sql
 
-from kombu_pgqueue import _consumer
+from kombu_pgqueue import _resume
 from kombu_pgqueue._pool import SESSION_SETTINGS
 from kombu_pgqueue._store import Store, new_lease
 
@@ -44,8 +44,8 @@ def test_store_claim_after_takes_only_later_ids_of_that_priority(
 def test_a_resuming_consumer_still_delivers_everything_once_with_a_snapshot_held(
     connection: Connection, dsn: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(_consumer, "SLOW_CLAIM_SECONDS", 0.0)  # every claim counts as slow
-    monkeypatch.setattr(_consumer, "RESUME_SECONDS", 3600.0)  # ends only when the test says
+    monkeypatch.setattr(_resume, "SLOW_CLAIM_SECONDS", 0.0)  # every claim counts as slow
+    monkeypatch.setattr(_resume, "RESUME_SECONDS", 3600.0)  # ends only when the test says
     consumer = connection.transport.consumer
     ahead = [0.0]
     consumer.clock = lambda: time.monotonic() + ahead[0]

@@ -145,6 +145,7 @@ def test_dead_list_and_show(cli, sent, db, schema):
     assert shown["headers"]["id"] == sent["doomed"][1]
     assert shown["headers"]["task"] == "lifecycle.work"
     assert json.loads(shown["body"])[0] == ["d1", 1]
+    assert shown["error"] is None  # rejected: no exception to show
 
     missing = cli("dead", "show", "987654321", ok=False)
     assert missing.returncode != 0

@@ -7,6 +7,7 @@ assertions count executions exactly instead of trusting results or logs.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -24,6 +25,7 @@ from psycopg.rows import dict_row
 from waiting import Process, wait_for
 
 import kombu_pgqueue
+from kombu_pgqueue.admin import Broker
 
 pytestmark = pytest.mark.celery
 
@@ -296,6 +298,7 @@ def test_warm_shutdown_releases_prefetched_messages_at_once(spawn, publisher, db
         w,
     )
 
+    held = {m["task_id"] for m in messages(db, schema) if m["leased"]}
     w.terminate()
     # the task is still running when the worker starts its warm shutdown; then it ends
     wait_for(lambda: w.says("Warm shutdown"), 30, "the worker's warm shutdown to start", w)
@@ -309,6 +312,67 @@ def test_warm_shutdown_releases_prefetched_messages_at_once(spawn, publisher, db
     assert {m["task_id"] for m in rows} == set(ids) - set(executions)
     for m in rows:
         assert m["ready"], m  # no lease: another worker may take it now
-        assert m["attempts"] == before[m["task_id"]], m
+        # held by the worker's consumer, so it reached the callback: that delivery
+        # counts (a message that takes its worker down must not come back forever)
+        assert m["attempts"] == before[m["task_id"]] + (m["task_id"] in held), m
+    assert len(held & {m["task_id"] for m in rows}) == 3  # held 4, ran 1
     assert dead_letters(db, schema) == []
     assert "after its lease ended" not in w.log()
+
+
+def _publish_raw(app: Any, body: Any, task_id: str, **kwargs: Any) -> None:
+    """Publish a task message Celery did not make: headers of a real task, any body."""
+    with app.producer_or_acquire() as producer:
+        producer.publish(
+            body,
+            routing_key="celery",
+            headers={"task": "lifecycle.work", "id": task_id, "lang": "py"},
+            retry=False,
+            **kwargs,
+        )
+
+
+def test_poison_messages_are_dead_lettered_and_the_worker_goes_on(spawn, publisher, db, schema):
+    # bodies that make Celery's consumer raise (a task body is [args, kwargs, embed])
+    _publish_raw(publisher, [1, 2], "wrong-shape", serializer="json")
+    _publish_raw(publisher, None, "null-body", serializer="json")
+    # a body that does not decode: Celery acks it to be rid of it
+    _publish_raw(
+        publisher,
+        b"{not json",
+        "undecodable",
+        content_type="application/json",
+        content_encoding="utf-8",
+    )
+    after_id = publisher.send_task("lifecycle.work", ("after",)).id
+    w = spawn("a", concurrency=2)
+
+    wait_for(
+        lambda: (
+            len(dead_letters(db, schema)) == 3
+            and any(r["label"] == "after" and r["finished_at"] for r in runs(db, schema))
+        ),
+        40,
+        "three dead letters and the task behind them done",
+        w,
+    )
+
+    assert w.proc.poll() is None  # the worker carries on
+    assert [r["task_id"] for r in runs(db, schema)] == [after_id]
+    with publisher.connection_for_write() as conn:
+        broker = Broker.from_connection(conn)
+    shown = {
+        d.id: (json.loads(d.headers)["id"], d.reason, d.error)
+        for d in broker.dead_letters("celery")
+    }
+    reasons = {task_id: (reason, error) for task_id, reason, error in shown.values()}
+    assert reasons["wrong-shape"][0] == "consumer_error"
+    assert reasons["wrong-shape"][1].startswith("ValueError: ")
+    assert reasons["null-body"][0] == "consumer_error"
+    assert reasons["null-body"][1].startswith("TypeError: ")
+    assert reasons["undecodable"][0] == "undecodable"
+    assert "DecodeError" in reasons["undecodable"][1]
+    for message_id, (_, reason, _) in shown.items():
+        if reason == "consumer_error":
+            assert f"on message {message_id} of queue 'celery'" in w.log()
+    wait_for(lambda: messages(db, schema) == [], 10, "the last ack to be applied", w)
