@@ -275,6 +275,9 @@ def _one(
             ledger.record_event(conn, run.run_id, "dbrestart", "failover", at=crashed)
             standby.promote()
             promoted = datetime.datetime.now(datetime.timezone.utc)
+            # a message held at the crash and run again from the new primary has its
+            # first run before the promotion and its second after it
+            ledger.record_event(conn, run.run_id, "dbrestart", "promotion", at=promoted)
             print(
                 f"    promoted the standby "
                 f"{(promoted - crashed).total_seconds():.1f} s after the crash"
