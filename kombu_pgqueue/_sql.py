@@ -67,9 +67,11 @@ def _advice_texts() -> dict[str, str]:
 def advice(name: str, conn: psycopg.Connection, **identifiers: str) -> str:
     """A statement from ``sql/advice/grants.sql`` for an administrator, as text.
 
-    Never executed by pgqueue: error messages print it. Names are quoted as identifiers.
+    Never executed by pgqueue: error messages print it, on one line, so without the
+    file's comments (each would hide the statements after it). Names are quoted as
+    identifiers.
     """
-    composed = sql.SQL(_advice_texts()[name]).format(
+    composed = sql.SQL(_COMMENT.sub("", _advice_texts()[name])).format(
         **{key: sql.Identifier(value) for key, value in identifiers.items()}
     )
     return " ".join(composed.as_string(conn).split())

@@ -54,21 +54,34 @@ def migrate(conninfo: str | psycopg.Connection, schema: str = DEFAULT_SCHEMA) ->
         return _migrate(conn, schema)
 
 
+def _schema_exists(conn: psycopg.Connection, schema: str) -> bool:
+    row = conn.execute(
+        "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_namespace WHERE nspname = %(schema)s)",
+        {"schema": schema},
+    ).fetchone()
+    return bool(row and row[0])
+
+
 def _migrate(conn: psycopg.Connection, schema: str) -> list[int]:
     applied: list[int] = []
     ident = sql.Identifier(schema)
     with creating_schema(conn, schema), conn.transaction():
         conn.execute("SELECT pg_advisory_xact_lock(%s)", (_lock_key(schema),))
-        conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(ident))
-        conn.execute(
-            sql.SQL(
-                "CREATE TABLE IF NOT EXISTS {}.schema_migration ("
-                " version integer PRIMARY KEY,"
-                " name text NOT NULL,"
-                " applied_at timestamptz NOT NULL DEFAULT now())"
-            ).format(ident)
-        )
+        # IF NOT EXISTS is no help: PostgreSQL checks CREATE on the database (and on the
+        # schema, for a table) before it looks, so a role that owns the schema, or may
+        # only read its version, would be refused. Under the lock, looking first is safe.
+        if not _schema_exists(conn, schema):
+            conn.execute(sql.SQL("CREATE SCHEMA {}").format(ident))
         done = current_version(conn, schema)
+        if done == 0:
+            conn.execute(
+                sql.SQL(
+                    "CREATE TABLE IF NOT EXISTS {}.schema_migration ("
+                    " version integer PRIMARY KEY,"
+                    " name text NOT NULL,"
+                    " applied_at timestamptz NOT NULL DEFAULT now())"
+                ).format(ident)
+            )
         for version, slug, text in _sql.migration_files():
             if version <= done:
                 continue

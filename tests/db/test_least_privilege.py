@@ -2,8 +2,8 @@
 
 * an owner role that may create a schema in the database, owns the broker schema and
   runs the migrations;
-* an app role (publishes) and a worker role (consumes): ``USAGE`` on the schema and
-  ``SELECT, INSERT, UPDATE, DELETE`` on its tables, nothing more, ``auto_migrate`` off.
+* an app role (publishes) and a worker role (consumes): the grants in operations.md's
+  ``sql`` block, read from the page itself, nothing more, ``auto_migrate`` off.
 
 Roles are cluster-wide, so each test makes its own with unique names and drops them.
 Also: a password never shows in errors, logs or ``repr``.
@@ -12,12 +12,14 @@ Also: a password never shows in errors, logs or ``repr``.
 from __future__ import annotations
 
 import logging
+import re
 import subprocess
 import sys
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -32,6 +34,7 @@ from kombu_pgqueue import PrivilegeError
 from kombu_pgqueue.embedded import broker_url
 
 SECRET = "S3cr3t-pw_" + uuid.uuid4().hex[:8]
+OPERATIONS = Path(__file__).resolve().parents[2] / "docs" / "operations.md"
 
 
 @dataclass
@@ -54,6 +57,21 @@ def _ident(name: str) -> sql.Identifier:
     return sql.Identifier(name)
 
 
+def documented_grants(conn: psycopg.Connection, schema: str, role: str) -> list[str]:
+    """The statements of the ``sql`` block under "## Privileges" in docs/operations.md,
+    for ``schema``, ``role`` and ``conn``'s database instead of the page's ``pgqueue``,
+    ``worker`` and ``app``."""
+    section = OPERATIONS.read_text(encoding="utf-8").split("## Privileges", 1)[1]
+    block = section.split("```sql\n", 1)[1].split("```", 1)[0]
+    block = re.sub(r"--.*", "", block)
+    dbname = conn.execute("SELECT current_database()").fetchone()[0]  # type: ignore[index]
+    names = {"pgqueue": schema, "worker": role, "app": dbname}
+    block = re.sub(
+        r"\b(pgqueue|worker|app)\b", lambda m: _ident(names[m[1]]).as_string(conn), block
+    )
+    return [" ".join(part.split()) for part in block.split(";") if part.strip()]
+
+
 @pytest.fixture
 def roles(dsn: str, db: psycopg.Connection, schema: str) -> Iterator[Roles]:
     tag = uuid.uuid4().hex[:10]
@@ -73,14 +91,9 @@ def roles(dsn: str, db: psycopg.Connection, schema: str) -> Iterator[Roles]:
         kombu_pgqueue.migrate(made.dsn_for(made.owner), schema)
         with psycopg.connect(made.dsn_for(made.owner), autocommit=True) as owner:
             for role in (made.app, made.worker):
-                owner.execute(
-                    sql.SQL("GRANT USAGE ON SCHEMA {} TO {}").format(_ident(schema), _ident(role))
-                )
-                owner.execute(
-                    sql.SQL(
-                        "GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA {} TO {}"
-                    ).format(_ident(schema), _ident(role))
-                )
+                for statement in documented_grants(owner, schema, role):
+                    if "ON DATABASE" not in statement:  # the database's owner grants that
+                        owner.execute(statement)
         yield made
     finally:
         for role in (made.app, made.worker, made.owner):
@@ -189,6 +202,10 @@ def test_app_publishes_and_worker_consumes_acks_requeues_and_dead_letters(
         "CREATE TABLE {schema}.evil (id int)",
         "DROP INDEX {schema}.message_ready_idx",
         "CREATE INDEX evil_idx ON {schema}.message (queue)",
+        # after which every process that starts would try to install the schema again
+        "DELETE FROM {schema}.schema_migration",
+        "UPDATE {schema}.schema_migration SET version = 0",
+        "INSERT INTO {schema}.schema_migration (version, name) VALUES (9999, 'evil')",
     ],
 )
 @pytest.mark.parametrize("who", ["app", "worker"])
@@ -230,6 +247,48 @@ def test_auto_migrate_off_with_an_installed_schema_needs_no_owner_rights(
         assert conn.default_channel.store.size("nothing") == 0
     finally:
         conn.release()
+
+
+def test_the_documented_grants_cover_every_table_and_only_read_the_migration_record(
+    roles: Roles, db: psycopg.Connection, schema: str
+) -> None:
+    # a migration that adds a table fails this until operations.md and the advice name it
+    tables = db.execute(
+        "SELECT tablename FROM pg_tables WHERE schemaname = %s ORDER BY tablename", (schema,)
+    ).fetchall()
+    assert ("message",) in tables and ("schema_migration",) in tables
+    for (table,) in tables:
+        qualified = sql.Identifier(schema, table).as_string(db)
+        for who in (roles.app, roles.worker):
+            row = db.execute(
+                "SELECT has_table_privilege(%(who)s, %(t)s, 'SELECT'),"
+                " has_table_privilege(%(who)s, %(t)s, 'INSERT'),"
+                " has_table_privilege(%(who)s, %(t)s, 'UPDATE'),"
+                " has_table_privilege(%(who)s, %(t)s, 'DELETE'),"
+                " has_table_privilege(%(who)s, %(t)s, 'TRUNCATE')",
+                {"who": who, "t": qualified},
+            ).fetchone()
+            writes = table != "schema_migration"
+            assert row == (True, writes, writes, writes, False), (table, who)
+
+
+def test_the_grants_errors_advise_are_the_documented_ones(
+    db: psycopg.Connection, dsn: str, schema: str, role: str
+) -> None:
+    kombu_pgqueue.migrate(dsn, schema)
+    conn = Connection(
+        broker_url(make_conninfo(dsn, user=role)),
+        transport_options={"schema": schema, "auto_migrate": False},
+    )
+    try:
+        with pytest.raises(PrivilegeError) as caught:
+            conn.connect()
+    finally:
+        conn.release()
+    text = str(caught.value)
+    advised = [" ".join(s.split()) for s in text[text.index("GRANT ") :].split(";") if s.strip()]
+    documented = documented_grants(db, schema, role)
+    assert advised == [s for s in documented if "ON DATABASE" not in s]
 
 
 # -- passwords ---------------------------------------------------------------------------
