@@ -3,7 +3,8 @@
 A connection to another database that also holds the broker's schema (a twin: the
 same schema name, migrated there too) would take the message silently, and no
 consumer of the broker would ever see it. The twin here is a database of its own on
-the test server, made for this module and dropped after it.
+the test server, made for this module and dropped after it; other servers (a copy of
+the broker's, the broker's after a restart) are throwaway clusters of their own.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from clusters import Cluster
 from kombu import Connection, Producer
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
@@ -23,6 +25,7 @@ from sqlalchemy.orm import Session
 import celery_pgqueue
 import kombu_pgqueue
 from kombu_pgqueue import ConfigurationError
+from kombu_pgqueue.embedded import broker_url
 
 QUEUE = "tx"
 
@@ -162,3 +165,50 @@ def test_the_database_is_checked_once_per_connection(
     assert first == 2  # the check, then the publish
     assert len(sent) == first + 2  # later blocks on this connection: their publish only
     assert _messages(dsn, schema) == 3
+
+
+# -- other servers: throwaway clusters (tests/clusters.py) ------------------------------------
+
+
+@pytest.mark.slow
+@needs_the_store
+def test_a_server_copied_from_the_brokers_is_another_server(schema: str) -> None:
+    with Cluster.primary(name="tx_broker") as primary:
+        dsn = primary.create_database("app")
+        kombu_pgqueue.migrate(dsn, schema)
+        # a base backup, promoted: what a restored snapshot is. It has the broker's
+        # system identifier, database oids and schema, and takes writes of its own
+        copy = primary.standby(name="tx_copy")
+        copy.promote()
+        broker = Connection(broker_url(dsn), transport_options={"schema": schema})
+        try:
+            with psycopg.connect(copy.dsn_for("app")) as conn:
+                with conn.transaction(), kombu_pgqueue.transaction(conn):
+                    with pytest.raises(ConfigurationError) as caught:
+                        Producer(broker).publish({"n": 1}, routing_key=QUEUE)
+        finally:
+            broker.release()
+        assert f":{copy.port} " in str(caught.value)
+        assert f":{primary.port} " in str(caught.value)
+        assert _messages(copy.dsn_for("app"), schema) == 0
+
+
+@pytest.mark.slow
+def test_a_restart_of_the_brokers_server_is_still_the_brokers_server(schema: str) -> None:
+    with Cluster.primary(name="tx_restart") as primary:
+        dsn = primary.create_database("app")
+        kombu_pgqueue.migrate(dsn, schema)
+        broker = Connection(broker_url(dsn), transport_options={"schema": schema})
+        try:
+            producer = Producer(broker)
+            for n in (1, 2):
+                if n == 2:
+                    # a new start time: what the broker read before the restart is stale
+                    primary.stop("fast")
+                    primary.start()
+                with psycopg.connect(dsn) as conn:
+                    with conn.transaction(), kombu_pgqueue.transaction(conn):
+                        producer.publish({"n": n}, routing_key=QUEUE, retry=True)
+        finally:
+            broker.release()
+        assert _messages(dsn, schema) == 2
