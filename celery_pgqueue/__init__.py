@@ -24,8 +24,17 @@ def result_backend_url(dsn: str) -> str:
     from psycopg.conninfo import conninfo_to_dict
     from sqlalchemy.engine import URL
 
-    params = {k: str(v) for k, v in conninfo_to_dict(dsn).items() if v is not None}
+    params: dict[str, Any] = {
+        k: str(v) for k, v in conninfo_to_dict(dsn).items() if v is not None
+    }
     port = params.pop("port", None)
+    if "," in params.get("host", ""):
+        # several hosts (libpq's failover): SQLAlchemy takes them as host=h:p, repeated
+        hosts = params["host"].split(",")
+        ports = (port or "").split(",")
+        ports = ports * len(hosts) if len(ports) == 1 else ports
+        params["host"] = tuple(f"{h}:{p}" if p else h for h, p in zip(hosts, ports))
+        port = None
     url = URL.create(
         "postgresql+psycopg",
         username=params.pop("user", None),

@@ -16,6 +16,7 @@ from .exceptions import (
     PgQueueError,
     PrivilegeError,
     SchemaError,
+    ServerUnavailable,
 )
 from .migrations import current_version, migrate
 from .transactions import transaction
@@ -30,6 +31,7 @@ __all__ = [
     "PgQueueError",
     "PrivilegeError",
     "SchemaError",
+    "ServerUnavailable",
     "Transport",
     "current_version",
     "migrate",

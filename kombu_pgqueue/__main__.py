@@ -65,6 +65,14 @@ def main(argv: list[str] | None = None) -> int:
                 have = migrations.current_version(conn, args.schema)
                 need = migrations.latest_version()
                 print(f"schema {args.schema!r}: version {have}, code needs {need}")
+    except psycopg.errors.ReadOnlySqlTransaction as exc:
+        print(
+            f"{mask(args.dsn) or 'the default database'} is read-only ({exc.diag.message_primary}):"
+            " a standby, or default_transaction_read_only is on. Migrations run on the"
+            " primary only; point --dsn at it.",
+            file=sys.stderr,
+        )
+        return 2
     except psycopg.OperationalError as exc:
         print(
             f"cannot connect to {mask(args.dsn) or 'the default database'}: {exc}", file=sys.stderr

@@ -15,7 +15,7 @@ from typing import Any
 import psycopg
 from psycopg import errors
 
-from . import _sql
+from . import _errors, _sql
 from .records import STAGING_COLUMNS
 
 
@@ -61,7 +61,7 @@ def load_staged(
             else:
                 staged = rows  # all of them, in their order
         if staged:
-            inserted += _copy_staged(conn, statements, staged, channel, ordered, binary)
+            inserted += _copy_staged(conn, schema, staged, channel, ordered, binary)
     return inserted
 
 
@@ -99,13 +99,15 @@ def _copy_direct(
 
 def _copy_staged(
     conn: psycopg.Connection,
-    statements: dict[str, Any],
+    schema: str,
     rows: list[Sequence[Any]],
     channel: str,
     ordered: bool,
     binary: bool,
 ) -> int:
-    conn.execute(statements["create_staging"])
+    statements = _sql.queries(schema)
+    with _errors.staging(conn, schema):
+        conn.execute(statements["create_staging"])
     types = [kind for _, kind in STAGING_COLUMNS] if binary else None
     _copy(conn, statements["copy_staging_binary" if binary else "copy_staging"], rows, types)
     found = conn.execute(

@@ -3,7 +3,9 @@
 A missing table means a missing or partly dropped schema (:class:`SchemaError`, naming
 the migrate command); a privilege error names what the role may not do and, where a
 grant would help, the statement its owner can run (:class:`PrivilegeError`); data that
-PostgreSQL refuses is the message's fault (:class:`MessageError`).
+PostgreSQL refuses is the message's fault (:class:`MessageError`); a server that takes
+no writes (a standby, a failover in progress, ``default_transaction_read_only``) is a
+connection error (:class:`ServerUnavailable`), so Kombu reconnects and retries.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import psycopg
 from psycopg import errors
 
 from . import _sql
-from .exceptions import MessageError, PrivilegeError, SchemaError
+from .exceptions import MessageError, PrivilegeError, SchemaError, ServerUnavailable
 
 MIGRATE_COMMAND = "python -m kombu_pgqueue migrate --dsn <dsn> --schema {schema}"
 
@@ -26,6 +28,8 @@ def translated(name: str, schema: str, forget_schema: Callable[[], None]) -> Ite
     called when a table is missing (the schema is checked again on the next connect)."""
     try:
         yield
+    except errors.ReadOnlySqlTransaction as exc:
+        raise read_only(exc) from exc
     except errors.UndefinedTable as exc:
         forget_schema()
         raise SchemaError(
@@ -41,6 +45,34 @@ def translated(name: str, schema: str, forget_schema: Callable[[], None]) -> Ite
         # psycopg raises DataError itself for a NUL in text, before sending
         detail = exc.diag.message_primary or str(exc)
         raise MessageError(f"{name} on schema {schema!r}: {detail}") from exc
+
+
+def where(error: psycopg.Error) -> str:
+    """host:port of the server that raised ``error`` (or "the server")."""
+    pgconn = error.pgconn
+    if pgconn is None or not pgconn.host:
+        return "the server"
+    host = pgconn.host.decode()
+    return f"{host}:{pgconn.port.decode()}" if not host.startswith("/") else host
+
+
+def read_only(error: psycopg.Error) -> ServerUnavailable:
+    """A write refused by a server in recovery or read-only, as a connection error."""
+    return ServerUnavailable(
+        f"the database at {where(error)} is read-only ({error.diag.message_primary or error}): "
+        "a standby, a failover in progress, or default_transaction_read_only is on; "
+        "waiting for a primary"
+    )
+
+
+@contextmanager
+def writable() -> Iterator[None]:
+    """A statement outside :func:`translated` (LISTEN, a migration check) that a
+    read-only server refuses: a connection error, not psycopg's InternalError."""
+    try:
+        yield
+    except errors.ReadOnlySqlTransaction as exc:
+        raise read_only(exc) from exc
 
 
 @contextmanager
@@ -70,6 +102,22 @@ def using_schema(conn: psycopg.Connection, schema: str) -> Iterator[None]:
             f"role {role!r} may not use the pgqueue schema {schema!r} in database "
             f"{conn.info.dbname!r} ({exc.diag.message_primary}). Its owner can run: "
             + _sql.advice("grant_usage", conn, schema=schema, role=role)
+        ) from exc
+
+
+@contextmanager
+def staging(conn: psycopg.Connection, schema: str) -> Iterator[None]:
+    """Creating the COPY staging table: a role that may not create temporary tables is told."""
+    try:
+        yield
+    except errors.InsufficientPrivilege as exc:
+        role, database = _role(conn), conn.info.dbname
+        raise PrivilegeError(
+            f"role {role!r} may not create temporary tables in database {database!r} "
+            f"({exc.diag.message_primary}); a bulk publish to schema {schema!r} stages its "
+            "messages with an ETA, for a TTL queue or with a taken dedup key in one. Its "
+            "owner can allow TEMPORARY on the database: "
+            + _sql.advice("grant_temporary", conn, database=database, role=role)
         ) from exc
 
 

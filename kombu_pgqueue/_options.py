@@ -47,6 +47,13 @@ Transport options
   naming ``python -m kombu_pgqueue migrate``.
 * ``pool_max_size`` (int, 8): pooled connections per process and database.
 * ``pool_timeout`` (float, 30): seconds to wait for a pooled connection.
+* ``statement_timeout`` (float, 30): the longest one of the broker's statements may
+  take, in seconds (0: no limit). PostgreSQL's ``statement_timeout`` on the broker's
+  pooled sessions, and a client-side deadline 2 s later for a server that cannot
+  enforce it (hung, unreachable, or a commit waiting for a synchronous standby that
+  is gone): its connection is closed and the call raises
+  :class:`~kombu_pgqueue.ServerUnavailable`, a connection error that Kombu retries by
+  its policy. Bulk COPY and migrations run on connections of their own, without it.
 * ``prepare_threshold`` (int or None, 5): psycopg's server-side prepare threshold.
 * ``synchronous_commit`` (str, unset): PostgreSQL's ``synchronous_commit`` for the
   broker's sessions. Unset keeps the server's (durable) setting. ``"off"`` makes
@@ -112,6 +119,7 @@ class Options:
     pool_timeout: float = 30.0
     prepare_threshold: int | None = 5
     callback_errors: str = "dead_letter"
+    statement_timeout: float = 30.0
     libpq: Mapping[str, str] = field(default_factory=dict)
 
     @property
@@ -239,6 +247,7 @@ def parse_options(transport_options: Mapping[str, Any]) -> Options:
         ("polling_interval", 0.01),
         ("sweep_interval", 0.1),
         ("pool_timeout", 0.1),
+        ("statement_timeout", 0.0),
     ):
         if topts.get(name) is not None:
             kwargs[name] = _number(name, topts[name], minimum=minimum)

@@ -13,12 +13,13 @@ from __future__ import annotations
 import atexit
 import os
 import threading
+from collections.abc import Callable
 
 import psycopg
 from psycopg import sql
 from psycopg_pool import ConnectionPool
 
-from . import migrations
+from . import _errors, migrations
 from ._options import Options
 
 _lock = threading.Lock()
@@ -43,7 +44,12 @@ def connect(conninfo: str, options: Options) -> psycopg.Connection:
 def listening(conninfo: str, options: Options) -> psycopg.Connection:
     """A dedicated connection that LISTENs on the schema's notification channel."""
     conn = connect(conninfo, options)
-    conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(options.channel)))
+    try:
+        with _errors.writable():  # a standby refuses LISTEN
+            conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(options.channel)))
+    except BaseException:
+        conn.close()
+        raise
     return conn
 
 
@@ -59,39 +65,66 @@ def listening(conninfo: str, options: Options) -> psycopg.Connection:
 SESSION_SETTINGS = "SET enable_seqscan = off; SET jit = off"
 
 
-def _configure(conn: psycopg.Connection) -> None:
-    conn.autocommit = True
-    conn.execute(SESSION_SETTINGS)
+def statement_timeout(options: Options) -> sql.Composed:
+    """The SET that gives a pooled session the ``statement_timeout`` option (0: none)."""
+    return sql.SQL("SET statement_timeout = {}").format(
+        sql.Literal(int(options.statement_timeout * 1000))
+    )
+
+
+def _configure(options: Options) -> Callable[[psycopg.Connection], None]:
+    settings = sql.SQL("; ").join([sql.SQL(SESSION_SETTINGS), statement_timeout(options)])
+
+    def configure(conn: psycopg.Connection) -> None:
+        conn.autocommit = True
+        conn.execute(settings)
+
+    return configure
 
 
 def get_pool(conninfo: str, options: Options) -> ConnectionPool:
     """Return this process's pool for ``conninfo``, opening it (and the schema) first.
 
-    The first call per database and schema opens a plain connection, so a wrong
-    password or a missing database raises at once with libpq's own message rather
-    than after a pool timeout, and installs or checks the schema.
+    A new pool (the first of the process, or after :func:`discard`) starts with a
+    plain connection, so a wrong password, a missing database or a server that is
+    down raises at once with libpq's own message (naming the host) rather than after
+    a pool timeout; that connection installs or checks the schema.
     """
     key = (conninfo, options.pool_max_size, options.prepare_threshold)
     with _lock:
         pool = _pools.get(key)
+        if pool is not None and pool.closed:
+            pool = None
         if pool is None or (conninfo, options.schema) not in _migrated:
-            with connect(conninfo, options) as conn:
+            with connect(conninfo, options) as conn, _errors.writable():
                 migrations.ensure(conn, options.schema, auto_migrate=options.auto_migrate)
             _migrated.add((conninfo, options.schema))
-        if pool is None or pool.closed:
+        if pool is None:
             pool = ConnectionPool(
                 conninfo,
                 min_size=1,
                 max_size=options.pool_max_size,
                 timeout=options.pool_timeout,
                 kwargs={"autocommit": True, "prepare_threshold": options.prepare_threshold},
-                configure=_configure,
+                configure=_configure(options),
                 open=False,
                 name=f"pgqueue-{os.getpid()}",
             )
             pool.open(wait=True, timeout=options.pool_timeout)
             _pools[key] = pool
         return pool
+
+
+def discard(pool: ConnectionPool) -> None:
+    """Forget ``pool`` and close it (its server went away, or turned read-only): the
+    next :func:`get_pool` connects afresh, where a failover list or a multi-host URL
+    may lead to another host."""
+    with _lock:
+        for key, cached in list(_pools.items()):
+            if cached is pool:
+                del _pools[key]
+    # in the background: closing waits for the pool's workers, which may be connecting
+    threading.Thread(target=pool.close, kwargs={"timeout": 5}, daemon=True).start()
 
 
 def forget_schema(conninfo: str, schema: str) -> None:

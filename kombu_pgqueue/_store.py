@@ -9,18 +9,20 @@ from __future__ import annotations
 
 import os
 import secrets
-from collections.abc import Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from datetime import datetime
 from typing import Any
 
 import psycopg
 from psycopg import pq
-from psycopg_pool import ConnectionPool
+from psycopg_pool import ConnectionPool, PoolTimeout
 
 from . import _errors, _pool, _sql, transactions
 from ._copy import load_staged
+from ._deadline import WATCHDOG
 from ._options import Options
+from .exceptions import ServerUnavailable
 from .records import (
     STAGING_COLUMNS,
     ClaimRequest,
@@ -33,6 +35,18 @@ from .records import (
 
 #: errors that mean the connection, not the statement, failed: Kombu reconnects
 CONNECTION_ERRORS: tuple[type[Exception], ...] = (psycopg.OperationalError, psycopg.InterfaceError)
+
+#: seconds past statement_timeout before the client gives up on the server
+DEADLINE_GRACE = 2.0
+
+
+def _lost(error: Exception) -> bool:
+    """Whether ``error`` means the server went away or takes no writes (its pool is of
+    no more use), rather than that one statement failed (a timeout, a lock)."""
+    if isinstance(error, (ServerUnavailable, PoolTimeout)):
+        return True
+    sqlstate = getattr(error, "sqlstate", None)
+    return sqlstate is None or sqlstate.startswith(("08", "57P"))
 
 
 def driver_version() -> str:
@@ -67,6 +81,7 @@ class Store:
         self._q = _sql.queries(options.schema)
         self._pool: ConnectionPool | None = None
         self._pid = os.getpid()
+        self._database: transactions.Database | None = None
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -82,11 +97,72 @@ class Store:
 
     @property
     def pool(self) -> ConnectionPool:
-        # a forked child (Celery prefork) must never use the parent's connections
-        if self._pool is None or self._pid != os.getpid():
+        # a forked child (Celery prefork) must never use the parent's connections; a
+        # pool discarded after its server went away is replaced by a new one
+        if self._pool is None or self._pid != os.getpid() or self._pool.closed:
             self.open()
         assert self._pool is not None
         return self._pool
+
+    def probe(self) -> None:
+        """Connect afresh and check that the server takes writes, as a reconnect must.
+
+        A pooled connection could be stale (its server gone) and a new one could wait
+        out the pool timeout; a plain connection fails at once, naming the host, so
+        Kombu moves on to the next URL of a failover list, and a standby or read-only
+        server raises :class:`ServerUnavailable` (a connection error: wait, retry).
+        Either way this process's pool for the server is discarded.
+        """
+        try:
+            with _pool.connect(self.conninfo, self.options) as conn:
+                row = conn.execute(self._q["writable"]).fetchone()
+                where = f"{conn.info.host}:{conn.info.port}"
+        except CONNECTION_ERRORS:
+            self._discard()
+            raise
+        if row is None or not row[0]:
+            self._discard()
+            raise ServerUnavailable(
+                f"the database at {where} is read-only: a standby, a failover in progress, "
+                "or default_transaction_read_only is on; waiting for a primary"
+            )
+
+    def _discard(self) -> None:
+        pool, self._pool = self._pool, None
+        if pool is not None and self._pid == os.getpid():
+            _pool.discard(pool)
+
+    @contextmanager
+    def _connection(self, name: str) -> Iterator[psycopg.Connection]:
+        """A pooled connection for statement ``name``, its errors translated, under
+        the statement deadline; a pool whose server went away is discarded."""
+        pool = self.pool
+        try:
+            with self.translated(name), pool.connection() as conn, self._deadline(conn):
+                yield conn
+        except CONNECTION_ERRORS as exc:
+            if _lost(exc):
+                _pool.discard(pool)
+            raise
+
+    @contextmanager
+    def _deadline(self, conn: psycopg.Connection) -> Iterator[None]:
+        timeout = self.options.statement_timeout
+        if not timeout:
+            yield
+            return
+        with WATCHDOG.armed(conn, timeout + DEADLINE_GRACE) as watch:
+            try:
+                yield
+            except CONNECTION_ERRORS as exc:
+                if not watch.fired:
+                    raise
+                raise ServerUnavailable(
+                    f"the database at {conn.info.host}:{conn.info.port} did not answer "
+                    f"within {timeout:g} s (transport option statement_timeout): the server "
+                    "hangs, the network dropped, or a commit waits for a synchronous "
+                    "standby; the connection was closed"
+                ) from exc
 
     def translated(self, name: str) -> AbstractContextManager[None]:
         """Statement ``name``'s errors as pgqueue's (see :mod:`._errors`)."""
@@ -101,12 +177,14 @@ class Store:
             enlisted = transactions.current()
             if enlisted is not None:
                 with self.translated(name):
-                    check = self._q["schema_installed"]
-                    return enlisted.rows(self.schema, self._q[name], params, check)
+                    identity = self._q["database_identity"]
+                    return enlisted.rows(
+                        self.schema, self._q[name], params, identity=identity, broker=self.database
+                    )
         if name in _RELAXED:
             # the statement itself turns synchronous_commit off for its own commit
             params["synchronous_commit"] = "off" if self.options.relax_consumer_commits else None
-        with self.translated(name), self.pool.connection() as conn:
+        with self._connection(name) as conn:
             cur = conn.execute(self._q[name], params, prepare=prepare)
             # the result's status, not cur.description (which builds a Column per column)
             result = cur.pgresult
@@ -115,6 +193,14 @@ class Store:
     def _one(self, name: str, params: dict[str, Any]) -> tuple[Any, ...] | None:
         rows = self._rows(name, params)
         return rows[0] if rows else None
+
+    def database(self, *, fresh: bool = False) -> transactions.Database:
+        """The broker's database and server: read once, again when ``fresh``."""
+        if fresh or self._database is None:
+            row = self._one("database_identity", {})
+            assert row is not None
+            self._database = transactions.Database.from_row(row)
+        return self._database
 
     # -- publishing --------------------------------------------------------------
 
@@ -142,7 +228,13 @@ class Store:
             return 0
         if transactions.current() is None:
             with self.translated("publish_many"), self.pool.connection() as conn:
-                return load_staged(conn, self.options.schema, self.options.channel, rows)
+                # a bulk load may take longer than one statement should
+                conn.execute("SET statement_timeout = 0")
+                try:
+                    return load_staged(conn, self.options.schema, self.options.channel, rows)
+                finally:
+                    if not conn.closed:
+                        conn.execute(_pool.statement_timeout(self.options))
         columns: dict[str, list[Any]] = {name: [] for name, _ in STAGING_COLUMNS}
         for row in rows:
             for (name, _), value in zip(STAGING_COLUMNS, row):

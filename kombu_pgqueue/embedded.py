@@ -63,8 +63,8 @@ def broker_url(dsn: str) -> str:
     password = params.pop("password", None)
     port = params.pop("port", None)
     dbname = quote(str(params.pop("dbname", "") or ""), safe="")
-    if params:
-        # anything else (sslmode, ...) needs the libpq-URL form
+    if params or "," in host or "," in str(port or ""):
+        # anything else (sslmode, ..., several hosts) needs the libpq-URL form
         return "pgqueue+" + dsn if "://" in dsn else _keyword_url(dsn)
     auth = user + (":" + quote(str(password), safe="") if password else "")
     netloc = (auth + "@" if auth else "") + quote(host, safe="") + (f":{port}" if port else "")

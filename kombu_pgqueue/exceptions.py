@@ -7,14 +7,19 @@
      ├── SchemaError                           the schema is missing or older than this code,
      │                                         and auto_migrate is off
      ├── PrivilegeError                        the role may not do what the broker needs
-     └── MessageError (also ValueError)        a message that cannot be stored as given
+     ├── MessageError (also ValueError)        a message that cannot be stored as given
+     └── ServerUnavailable (also psycopg's     the server takes no writes now (read-only, a
+         OperationalError)                     standby, a failover) or did not answer in time
 
 Connection failures are psycopg's own ``OperationalError`` / ``InterfaceError``,
 never wrapped: Kombu and Celery retry and reconnect on those classes
-(``Transport.connection_errors``).
+(``Transport.connection_errors``). :class:`ServerUnavailable` is one of them, so a
+worker waits for a primary and a publish follows its retry policy.
 """
 
 from __future__ import annotations
+
+import psycopg
 
 
 class PgQueueError(Exception):
@@ -35,3 +40,10 @@ class PrivilegeError(PgQueueError):
 
 class MessageError(PgQueueError, ValueError):
     """A message that cannot be stored as given."""
+
+
+class ServerUnavailable(PgQueueError, psycopg.OperationalError):
+    """The database server cannot take the broker's work now: it is read-only (a
+    standby, a failover in progress, ``default_transaction_read_only``) or did not
+    answer within ``statement_timeout``. A connection error: Kombu and Celery
+    reconnect and retry."""

@@ -346,6 +346,11 @@ class Transport(virtual.Transport):
     )
 
     connection_errors = virtual.Transport.connection_errors + CONNECTION_ERRORS
+    # Declared, so Kombu's ensure() follows a publish's retry policy through several
+    # reconnects (without them it gives up once a reconnect succeeded and the error
+    # persists, which a read-only server or a failover makes the rule)
+    recoverable_connection_errors = connection_errors
+    recoverable_channel_errors = ()
 
     def __init__(self, client: Any, **kwargs: Any) -> None:
         self.options = parse_options(client.transport_options)
@@ -373,6 +378,7 @@ class Transport(virtual.Transport):
         conninfo = self._conninfo()
         if conninfo != self.store.conninfo:  # failover switched hosts
             self.consumer.use_store(Store(conninfo, self.options))
+        self.store.probe()  # a host that is down or a standby fails here, at once
         self.store.open()
         self.store.check_pool()
         self.consumer.reopen()

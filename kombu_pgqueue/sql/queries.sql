@@ -734,3 +734,22 @@ SELECT EXISTS (
     WHERE n.nspname = %(schema)s
       AND c.relname = 'message'
 );
+
+-- name: writable :one
+-- Whether this server takes the broker's writes: not a standby, not read-only.
+SELECT NOT pg_is_in_recovery() AND current_setting('transaction_read_only') = 'off';
+
+-- name: database_identity :one
+-- Which database of which running server a connection reaches: transaction() compares an
+-- application's connection with the broker's. Every role may read these, and they are
+-- the server's own, the same through PgBouncer or any address. A server restored from a
+-- copy of another has the other's system identifier and oids, but not its start time.
+SELECT
+    current_database() AS name,
+    d.oid AS oid,
+    (SELECT system_identifier FROM pg_catalog.pg_control_system()) AS system,
+    pg_catalog.pg_postmaster_start_time() AS started,
+    host(inet_server_addr()) AS address,
+    inet_server_port() AS port
+FROM pg_catalog.pg_database AS d
+WHERE d.datname = current_database();

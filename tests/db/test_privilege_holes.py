@@ -184,11 +184,6 @@ def test_the_documented_grants_let_a_bulk_publish_stage_where_public_has_no_temp
         conn.release()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the error is raised through _copy.py and _errors.py: they do not yet name "
-    "TEMPORARY and its grant (advice grant_temporary)",
-)
 def test_a_bulk_publish_without_temporary_names_the_grant(
     no_temporary_dsn: str, schema: str, role: str
 ) -> None:

@@ -29,14 +29,6 @@ from kombu_pgqueue.embedded import broker_url
 
 QUEUE = "tx"
 
-#: The broker's half of the comparison is its store's: ``Store.database()`` reading the
-#: statement ``database_identity``, passed to ``Enlisted.rows(identity=, broker=)``. Until
-#: _store.py and queries.sql pass them, these fail; strict, so they say when they pass.
-needs_the_store = pytest.mark.xfail(
-    strict=True, reason="the store does not yet pass the broker's database to Enlisted.rows"
-)
-
-
 @pytest.fixture(scope="module")
 def twin_dsn(dsn: str) -> Iterator[str]:
     """A DSN for a new, empty database on the test server; dropped after the module."""
@@ -73,7 +65,6 @@ def _dbname(dsn: str) -> str:
     return str(conninfo_to_dict(dsn)["dbname"])
 
 
-@needs_the_store
 def test_a_connection_to_another_database_with_the_schema_is_refused_naming_both(
     connection: Connection, dsn: str, twin: str, schema: str
 ) -> None:
@@ -90,7 +81,6 @@ def test_a_connection_to_another_database_with_the_schema_is_refused_naming_both
     assert _messages(dsn, schema) == 0
 
 
-@needs_the_store
 def test_a_sqlalchemy_session_on_another_database_fails_celery_delay(
     app: Any, connection: Connection, dsn: str, twin: str, schema: str
 ) -> None:
@@ -141,7 +131,6 @@ def test_an_unprivileged_role_on_the_brokers_database_publishes(
     assert _messages(dsn, schema) == 1
 
 
-@needs_the_store
 def test_the_database_is_checked_once_per_connection(
     connection: Connection, dsn: str, schema: str
 ) -> None:
@@ -171,7 +160,6 @@ def test_the_database_is_checked_once_per_connection(
 
 
 @pytest.mark.slow
-@needs_the_store
 def test_a_server_copied_from_the_brokers_is_another_server(schema: str) -> None:
     with Cluster.primary(name="tx_broker") as primary:
         dsn = primary.create_database("app")

@@ -48,6 +48,8 @@ def test_broker_url_builds_pgqueue_urls(dsn: str, expected: str) -> None:
         "host=/var/run/PostgreSQL user=ünï dbname=my%db",
         "postgresql://app@db/jobs?sslmode=require&application_name=x",
         "host=/tmp/sock user=u dbname=d sslmode=disable",
+        "postgresql://app@h1:5432,h2:5433/jobs?target_session_attrs=read-write",
+        "host=h1,h2 port=5432,5433 dbname=jobs user=app",
     ],
 )
 def test_broker_url_round_trips_through_kombu(dsn: str) -> None:
@@ -62,3 +64,25 @@ def test_broker_url_keeps_extra_libpq_options_in_libpq_form() -> None:
 
     assert url.startswith("pgqueue+postgresql://")
     assert "sslmode=require" in url
+
+
+@pytest.mark.parametrize(
+    "dsn",
+    [
+        "postgresql://app:pw@h1:5432,h2:5433/jobs?target_session_attrs=read-write",
+        "host=h1,h2 port=5432,5433 dbname=jobs user=app password=pw",
+    ],
+)
+def test_configure_takes_a_multi_host_dsn_for_broker_and_results(dsn: str) -> None:
+    from celery import Celery
+    from sqlalchemy.engine import make_url
+
+    import celery_pgqueue
+
+    app = Celery(set_as_current=False)
+    celery_pgqueue.configure(app, dsn)
+
+    assert _as_kombu_reads_it(app.conf.broker_url)["host"] == "h1,h2"
+    backend = make_url(app.conf.result_backend.removeprefix("db+"))
+    assert backend.query["host"] == ("h1:5432", "h2:5433")
+    assert (backend.database, backend.username) == ("jobs", "app")

@@ -1,0 +1,50 @@
+"""The Celery app of the fault tests' worker processes: ``celery -A failover_app worker``.
+
+* ``PGQUEUE_BROKER_URL``: the broker URL as a user writes it (a failover list, a
+  multi-host libpq URL), on a throwaway cluster.
+* ``PGQUEUE_SCHEMA``: the broker schema.
+* ``PGQUEUE_LEDGER_DSN`` and ``PGQUEUE_LEDGER``: where each task writes its label
+  (a table on the shared test server, which no fault touches).
+"""
+
+from __future__ import annotations
+
+import os
+
+import psycopg
+from celery import Celery
+from psycopg import sql
+
+import celery_pgqueue  # noqa: F401 - registers pgqueue://
+
+
+def make_app(broker_url: str, schema: str) -> Celery:
+    app = Celery("failover", set_as_current=False)
+    app.conf.update(
+        broker_url=broker_url,
+        broker_transport_options={
+            "schema": schema,
+            "polling_interval": 0.5,
+            "visibility_timeout": 10,
+            "statement_timeout": 5,
+        },
+        broker_connection_retry_on_startup=True,
+        broker_connection_max_retries=None,
+        task_acks_late=True,
+        task_ignore_result=True,
+        worker_hijack_root_logger=True,
+    )
+    ledger_dsn = os.environ.get("PGQUEUE_LEDGER_DSN", "")
+    ledger = sql.Identifier(*os.environ.get("PGQUEUE_LEDGER", "public.ledger").split("."))
+
+    @app.task(name="failover.record")
+    def record(label: str) -> None:
+        with psycopg.connect(ledger_dsn, autocommit=True) as conn:
+            conn.execute(sql.SQL("INSERT INTO {} (label) VALUES (%s)").format(ledger), [label])
+
+    return app
+
+
+app = make_app(
+    os.environ.get("PGQUEUE_BROKER_URL", "pgqueue://"), os.environ.get("PGQUEUE_SCHEMA", "pgqueue")
+)
