@@ -24,9 +24,7 @@ def result_backend_url(dsn: str) -> str:
     from psycopg.conninfo import conninfo_to_dict
     from sqlalchemy.engine import URL
 
-    params: dict[str, Any] = {
-        k: str(v) for k, v in conninfo_to_dict(dsn).items() if v is not None
-    }
+    params: dict[str, Any] = {k: str(v) for k, v in conninfo_to_dict(dsn).items() if v is not None}
     port = params.pop("port", None)
     if "," in params.get("host", ""):
         # several hosts (libpq's failover): SQLAlchemy takes them as host=h:p, repeated

@@ -29,6 +29,7 @@ from kombu_pgqueue.embedded import broker_url
 
 QUEUE = "tx"
 
+
 @pytest.fixture(scope="module")
 def twin_dsn(dsn: str) -> Iterator[str]:
     """A DSN for a new, empty database on the test server; dropped after the module."""
