@@ -48,6 +48,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.dsn = getattr(args, "dsn", os.environ.get("PGQUEUE_DSN", ""))
     args.schema = getattr(args, "schema", DEFAULT_SCHEMA)
+    if args.dsn.startswith("pgqueue"):  # a broker URL, as in Celery's broker_url
+        from .admin import conninfo
+
+        args.dsn = conninfo(args.dsn)
 
     if args.command == "sql":
         with psycopg.connect(args.dsn) as conn:

@@ -110,6 +110,18 @@ def load_staged(
     return _copy.load_staged(conn, schema, channel, rows, ordered=ordered, binary=binary)
 
 
+def conninfo(dsn: str, /, **transport_options: Any) -> str:
+    """The libpq connection string of ``dsn``: a libpq URL or key=value string as it is,
+    or a ``pgqueue://`` / ``pgqueue+postgresql://`` broker URL (the first URL of a
+    failover list) as the transport connects with it. For the places that take a DSN
+    (``configure()``, ``python -m kombu_pgqueue migrate --dsn``), so a broker URL works."""
+    options = parse_options(transport_options)
+    if dsn.partition("://")[0].split("+")[0] == "pgqueue":
+        connection = _new_connection(dsn.split(";")[0], transport_options=transport_options)
+        return _connection_conninfo(connection, options)
+    return make_conninfo(dsn, **options.libpq)
+
+
 def _connection_conninfo(connection: Connection, options: Options) -> str:
     """The libpq string the transport builds for ``connection`` (so the two share a pool)."""
     get_transport_cls: Callable[[], type[Any]] = connection.get_transport_cls  # unannotated
@@ -140,12 +152,7 @@ class Broker:
     """
 
     def __init__(self, dsn: str, /, **transport_options: Any) -> None:
-        options = parse_options(transport_options)
-        if dsn.partition("://")[0].split("+")[0] == "pgqueue":
-            connection = _new_connection(dsn, transport_options=transport_options)
-            self._init(_connection_conninfo(connection, options), options)
-        else:
-            self._init(make_conninfo(dsn, **options.libpq), options)
+        self._init(conninfo(dsn, **transport_options), parse_options(transport_options))
 
     def _init(self, conninfo: str, options: Options) -> None:
         #: the libpq connection string

@@ -217,3 +217,14 @@ def test_claims_renewals_and_requeues_are_hot_updates(
 
     updates = 2 * delivered + 1  # claim, renew, requeue
     assert _update_counts(db, schema) == (updates, updates)
+
+
+def test_the_migrate_command_takes_a_broker_url(
+    broker_base_url: str, schema: str, db: psycopg.Connection, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert broker_base_url.startswith("pgqueue")
+
+    assert main(["--dsn", broker_base_url, "--schema", schema, "migrate"]) == 0
+
+    assert _schema_exists(db, schema)
+    assert "applied" in capsys.readouterr().out
