@@ -45,6 +45,7 @@ COUNTERS = {
     "rejected": ("pgqueue_rejected", "Messages rejected into the dead letters.", False),
     "renewed": ("pgqueue_lease_renewals", "Leases renewed by the lease keeper.", False),
     "lost_leases": ("pgqueue_lost_leases", "Renewals that found the lease gone.", False),
+    "unroutable": ("pgqueue_unroutable", "Messages no binding matched: dropped.", False),
 }
 
 

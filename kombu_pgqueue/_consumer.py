@@ -20,7 +20,7 @@ from typing import Any
 from . import _counters, codec
 from ._claimer import Claimer
 from ._ledger import Held, Sink
-from ._listener import Listener, Wakeups
+from ._listener import Listener, Wakeups, queue_token
 from ._options import Options
 from ._resume import ResumePositions
 from ._store import Store, new_lease
@@ -76,6 +76,8 @@ class Consumer:
         self.listener: Listener | None = None
         self.claimer: Claimer | None = None
         self._subs: dict[str, _Subscription] = {}
+        #: notification token -> subscribed queue
+        self._tokens: dict[str, str] = {}
         self._sinks: dict[int, _SinkState] = {}
         #: queues with news, not yet claimed from
         self.pending: set[str] = set()
@@ -99,6 +101,7 @@ class Consumer:
 
     def subscribe(self, queue: str, sink: Sink, no_ack: bool) -> None:
         self._subs[queue] = _Subscription(sink, no_ack)
+        self._tokens[queue_token(queue)] = queue
         self._state(sink)
         self.pending.add(queue)
         self.ensure_listener()
@@ -108,6 +111,7 @@ class Consumer:
         sub = self._subs.get(queue)
         if sub is not None and sub.sink is sink:
             del self._subs[queue]
+            self._tokens.pop(queue_token(queue), None)
         self.pending.discard(queue)
 
     @property
@@ -350,7 +354,7 @@ class Consumer:
 
     def wake(self, wake: Wakeups) -> float | None:
         """Note what notifications said; return a due time that is new, if any."""
-        woken = [q for q in wake.queues if q in self._subs]
+        woken = [self._tokens[t] for t in wake.queues if t in self._tokens]
         self.pending.update(woken)
         self._renotified.update(q for q in woken if q in self._inflight)
         return self._note_due(wake.due)

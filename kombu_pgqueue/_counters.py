@@ -18,6 +18,7 @@ EVENTS = (
     "rejected",  # rejected without requeue: moved to the dead letters
     "renewed",  # lease renewals that kept the lease
     "lost_leases",  # renewals that found the lease gone (acked meanwhile, or lapsed)
+    "unroutable",  # published to an exchange where no binding matched: dropped
 )
 
 _lock = threading.Lock()

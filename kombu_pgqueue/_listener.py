@@ -1,12 +1,15 @@
 """The LISTEN connection: one dedicated autocommit session per consuming transport.
 
 Publishers send ``pg_notify(<schema>.notify, payload)`` in the statement that makes
-rows visible. Payloads are ``r:<queue>`` (messages are ready in that queue) or
-``d:<epoch>`` (a delayed message falls due then).
+rows visible. Payloads are ``r:<token>`` (messages are ready in the queue of that
+token, see :func:`queue_token`) or ``d:<epoch>`` (a delayed message falls due then).
+Any role that may connect can LISTEN on the channel, or NOTIFY on it: payloads name no
+queue, and a wakeup that was not a publisher's only costs a claim that finds nothing.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import dataclass, field
 
@@ -16,9 +19,15 @@ from . import _pool
 from ._options import Options
 
 
+def queue_token(queue: str) -> str:
+    """The opaque id of ``queue`` in notifications: as the statements compute it,
+    ``left(md5(convert_to(queue, 'UTF8')), 16)``."""
+    return hashlib.md5(queue.encode("utf-8"), usedforsecurity=False).hexdigest()[:16]
+
+
 @dataclass(slots=True)
 class Wakeups:
-    """What a batch of notifications said."""
+    """What a batch of notifications said: tokens of queues with news, a due time."""
 
     queues: set[str] = field(default_factory=set)
     due: float | None = None

@@ -68,6 +68,14 @@ Transport options
   exception out of ``drain_events`` (Kombu's own behaviour); the message then returns
   when the consumer closes or its lease ends, and counts against ``max_attempts``.
   A connection error raised in the callback always propagates.
+* ``unroutable`` (``"warn"`` or ``"raise"``, ``"warn"``): a message published to an
+  exchange where no binding matches its routing key (or to an unknown exchange) is
+  dropped, as RabbitMQ drops it, but counted (``unroutable`` in
+  :func:`kombu_pgqueue.admin.counters`, ``pgqueue_unroutable_total`` in the metrics)
+  and, for a persistent message, logged once per exchange and routing key. ``"raise"``
+  makes a persistent one raise :class:`~kombu_pgqueue.MessageError` instead. Transient
+  messages (``delivery_mode=1``: Celery's events, with no monitor listening) are only
+  counted.
 * ``libpq`` (dict, {}): extra libpq connection parameters; top-level options
   named like libpq keywords (``sslmode``, ``application_name``, ...) go there too.
 """
@@ -119,6 +127,7 @@ class Options:
     pool_timeout: float = 30.0
     prepare_threshold: int | None = 5
     callback_errors: str = "dead_letter"
+    unroutable: str = "warn"
     statement_timeout: float = 30.0
     libpq: Mapping[str, str] = field(default_factory=dict)
 
@@ -167,12 +176,23 @@ def _flag(name: str, value: Any) -> bool:
     raise ConfigurationError(f"transport option {name!r} must be true or false, got {value!r}")
 
 
+#: the longest queue or exchange name, routing or binding key, in UTF-8 bytes: names are
+#: keys of btree indexes, whose entries cannot exceed about a third of a page
+MAX_NAME_BYTES = 1024
+
+
 def check_name(kind: str, name: Any) -> str:
     """Return ``name`` if it can be stored as a queue/exchange name, else raise."""
     if not isinstance(name, str):
         raise ConfigurationError(f"{kind} name must be a string, got {name!r}")
     if "\x00" in name:
         raise ConfigurationError(f"{kind} name {name!r} contains a NUL character")
+    size = len(name.encode("utf-8", "surrogatepass"))
+    if size > MAX_NAME_BYTES:
+        raise ConfigurationError(
+            f"{kind} name {name[:40]!r}... is {size} bytes long; pgqueue takes names of at "
+            f"most {MAX_NAME_BYTES} bytes (UTF-8): use a shorter name"
+        )
     return name
 
 
@@ -207,6 +227,9 @@ def check_schema(schema: Any) -> str:
     name = check_name("schema", schema)
     if not name or len(name.encode()) > _MAX_IDENTIFIER:
         raise ConfigurationError(f"schema name {name!r} must be 1 to {_MAX_IDENTIFIER} bytes long")
+    if "%" in name:
+        # psycopg would read it as a query parameter in every statement on the schema
+        raise ConfigurationError(f"schema name {name!r} may not contain '%': choose another")
     return name
 
 
@@ -263,6 +286,13 @@ def parse_options(transport_options: Mapping[str, Any]) -> Options:
         kwargs["prepare_threshold"] = (
             None if value is None else _number("prepare_threshold", value, minimum=0, integer=True)
         )
+    if topts.get("unroutable") is not None:
+        if topts["unroutable"] not in ("warn", "raise"):
+            raise ConfigurationError(
+                "transport option 'unroutable' must be 'warn' or 'raise', "
+                f"got {topts['unroutable']!r}"
+            )
+        kwargs["unroutable"] = topts["unroutable"]
     if topts.get("callback_errors") is not None:
         if topts["callback_errors"] not in ("dead_letter", "raise"):
             raise ConfigurationError(

@@ -242,15 +242,22 @@ class Store:
         found = self._rows("publish_many", {**columns, "channel": self.options.channel})
         return int(found[0][0]) if found else 0
 
-    def publish_routed(self, exchange: str, routing_key: str, message: Outgoing) -> list[str]:
-        """Route through the shared bindings of ``exchange``; return the queues reached."""
+    def publish_routed(
+        self, exchange: str, routing_key: str, message: Outgoing
+    ) -> list[str] | None:
+        """Route through the shared bindings of ``exchange``; return the queues reached
+        (not those where the message's dedup key was taken), None when no binding
+        matched (the message is unroutable)."""
         params = {
             **message.params(),
             "exchange": exchange,
             "routing_key": routing_key,
             "channel": self.options.channel,
         }
-        return [row[0] for row in self._rows("publish_routed", params)]
+        rows = self._rows("publish_routed", params)
+        if rows and rows[0][0] is None:
+            return None
+        return [row[0] for row in rows]
 
     # -- consuming ---------------------------------------------------------------
 

@@ -48,55 +48,16 @@ from kombu.transport import base, virtual
 from kombu.transport.virtual.base import Empty  # type: ignore[attr-defined]
 from kombu.utils.objects import cached_property
 
-from . import codec
+from . import _counters, codec
 from ._consumer import Consumer
 from ._loop import LoopDriver, drain
 from ._options import check_name, connection_conninfo, parse_options, topic_pattern
+from ._qos import Message, QoS
 from ._store import CONNECTION_ERRORS, Store, driver_version
-from .exceptions import ConfigurationError
+from .exceptions import ConfigurationError, MessageError
 from .records import Outgoing
 
 logger = logging.getLogger(__name__)
-
-
-class QoS(virtual.QoS):
-    """Prefetch accounting over leases: acks, rejects and restores go to the consumer."""
-
-    def append(self, message: Any, delivery_tag: str) -> None:
-        super().append(message, delivery_tag)  # type: ignore[no-untyped-call]
-        self.channel.consumer.held.hold(delivery_tag)
-
-    def ack(self, delivery_tag: str) -> None:
-        self.channel.consumer.held.ack(delivery_tag)
-        super().ack(delivery_tag)  # type: ignore[no-untyped-call]
-
-    def reject(self, delivery_tag: str, requeue: bool = False) -> None:
-        self.channel.consumer.held.reject(delivery_tag, requeue)
-        self._quick_ack(delivery_tag)
-
-    def forget(self, delivery_tag: str) -> None:
-        """Settled by the consumer itself (dead-lettered): no longer held."""
-        self._quick_ack(delivery_tag)
-
-    def restore_unacked(self) -> list[Any]:
-        """Hand back every held message at once; they are redelivered immediately."""
-        self._flush()  # type: ignore[no-untyped-call]
-        tags = list(self._delivered)
-        self._delivered.clear()
-        self.channel.consumer.held.restore(tags)
-        return []
-
-
-class Message(virtual.Message):
-    """A delivery whose body failed to decode is marked, so that its ack (Celery acks
-    such a message to be rid of it) moves it to the dead letters instead."""
-
-    def decode(self) -> Any:
-        try:
-            return super().decode()  # type: ignore[no-untyped-call]
-        except Exception as exc:
-            self.channel.consumer.held.undecodable(self.delivery_tag, exc)
-            raise
 
 
 class Channel(virtual.Channel):
@@ -267,7 +228,9 @@ class Channel(virtual.Channel):
         if exchange:
             check_name("exchange", exchange)
             check_name("routing key", routing_key or "")
-            self.store.publish_routed(exchange, routing_key or "", self._outgoing("", message))
+            outgoing = self._outgoing("", message)
+            if self.store.publish_routed(exchange, routing_key or "", outgoing) is None:
+                self.connection.unroutable(exchange, routing_key or "", message)
         else:
             self._put(routing_key, message)
 
@@ -354,6 +317,7 @@ class Transport(virtual.Transport):
 
     def __init__(self, client: Any, **kwargs: Any) -> None:
         self.options = parse_options(client.transport_options)
+        self._unroutable_seen: set[tuple[str, str]] = set()
         super().__init__(client, **kwargs)  # type: ignore[no-untyped-call]
         self.polling_interval = self.options.polling_interval
         self.consumer = Consumer(
@@ -390,6 +354,28 @@ class Transport(virtual.Transport):
         finally:
             self._unregister()
             self.consumer.close()
+
+    def unroutable(self, exchange: str, routing_key: str, message: dict[str, Any]) -> None:
+        """No binding of ``exchange`` matched: count it; a persistent message is logged
+        once per exchange and key, or raises with ``unroutable="raise"``."""
+        _counters.add("unroutable")
+        if message.get("properties", {}).get("delivery_mode") == 1:
+            return  # transient (Celery's events with no monitor): expected to vanish
+        where = f"exchange {exchange!r} with routing key {routing_key!r}"
+        if self.options.unroutable == "raise":
+            raise MessageError(
+                f"unroutable: no queue is bound to {where}; declare the queue and its binding "
+                "first (or set transport option unroutable='warn' to drop such messages)"
+            )
+        if (exchange, routing_key) not in self._unroutable_seen and len(
+            self._unroutable_seen
+        ) < 1000:
+            self._unroutable_seen.add((exchange, routing_key))
+            logger.warning(
+                "pgqueue: dropped an unroutable message: no queue is bound to %s "
+                "(logged once per exchange and key; counted as 'unroutable')",
+                where,
+            )
 
     def flush_acks(self) -> None:
         """Send pending acks now, so what this transport reads next reflects them."""

@@ -5,8 +5,10 @@
 -- Time is a parameter (NULL = the server's clock), so tests move it instead of sleeping.
 
 -- name: publish :one
--- One message. A due message wakes consumers ('r:' + queue); a delayed one tells
--- them when it falls due ('d:' + epoch seconds), so they can sleep until then.
+-- One message. A due message wakes consumers ('r:' + the queue's token: the first 16
+-- hex digits of the MD5 of its name, so a role that may LISTEN learns no queue names);
+-- a delayed one tells them when it falls due ('d:' + epoch seconds), so they can sleep
+-- until then.
 -- A message whose dedup key is taken is skipped (no row returned), or, with
 -- %(replace)s, replaces the waiting one; one that a consumer holds is never replaced.
 WITH inserted AS (
@@ -53,7 +55,7 @@ SELECT
         %(channel)s,
         CASE WHEN inserted.delayed
             THEN 'd:' || extract(EPOCH FROM inserted.next_iteration)::text
-            ELSE 'r:' || %(queue)s
+            ELSE 'r:' || left(md5(convert_to(%(queue)s, 'UTF8')), 16)
         END
     )
 FROM inserted;
@@ -102,7 +104,7 @@ wake AS (
     SELECT DISTINCT
         CASE WHEN delayed
             THEN 'd:' || extract(EPOCH FROM min(next_iteration) FILTER (WHERE delayed) OVER ())::text
-            ELSE 'r:' || queue
+            ELSE 'r:' || left(md5(convert_to(queue, 'UTF8')), 16)
         END AS payload
     FROM inserted
 )
@@ -152,10 +154,14 @@ SELECT
         %(channel)s,
         CASE WHEN inserted.delayed
             THEN 'd:' || extract(EPOCH FROM inserted.next_iteration)::text
-            ELSE 'r:' || inserted.queue
+            ELSE 'r:' || left(md5(convert_to(inserted.queue, 'UTF8')), 16)
         END
     )
-FROM inserted;
+FROM inserted
+-- no binding matched at all (not: every copy was a duplicate): one row, queue NULL
+UNION ALL
+SELECT NULL, NULL
+WHERE NOT EXISTS (SELECT 1 FROM target);
 
 -- name: claim :many
 -- Lease up to %(limit)s ready messages of one queue, in priority then FIFO order.
@@ -294,7 +300,7 @@ WHERE id = %(id)s
   AND (SELECT set_config('synchronous_commit',
                          coalesce(%(synchronous_commit)s, current_setting('synchronous_commit')),
                          true)) IS NOT NULL
-RETURNING id, pg_notify(%(channel)s, 'r:' || queue);
+RETURNING id, pg_notify(%(channel)s, 'r:' || left(md5(convert_to(queue, 'UTF8')), 16));
 
 -- name: release :many
 -- A consumer hands back what it held. Messages it never handed to its callback
@@ -317,7 +323,7 @@ WITH released AS (
                              true)) IS NOT NULL
     RETURNING m.queue
 )
-SELECT released_queue.queue, pg_notify(%(channel)s, 'r:' || released_queue.queue)
+SELECT released_queue.queue, pg_notify(%(channel)s, 'r:' || left(md5(convert_to(released_queue.queue, 'UTF8')), 16))
 FROM (SELECT DISTINCT queue FROM released) AS released_queue;
 
 -- name: bury :one
@@ -382,7 +388,7 @@ promoted AS (
     RETURNING m.queue
 ),
 woken AS MATERIALIZED (
-    SELECT promoted_queue.queue, pg_notify(%(channel)s, 'r:' || promoted_queue.queue)
+    SELECT promoted_queue.queue, pg_notify(%(channel)s, 'r:' || left(md5(convert_to(promoted_queue.queue, 'UTF8')), 16))
     FROM (SELECT DISTINCT queue FROM promoted) AS promoted_queue
 ),
 touched AS (
@@ -564,7 +570,7 @@ inserted AS (
     ORDER BY id
     RETURNING queue
 )
-SELECT revived_queue.queue, pg_notify(%(channel)s, 'r:' || revived_queue.queue)
+SELECT revived_queue.queue, pg_notify(%(channel)s, 'r:' || left(md5(convert_to(revived_queue.queue, 'UTF8')), 16))
 FROM (SELECT DISTINCT queue FROM inserted) AS revived_queue;
 
 -- name: purge_dead :one
@@ -680,7 +686,7 @@ COPY {schema}.message (
 
 -- name: notify_ready :many
 -- Wake consumers of queues that a direct COPY filled; sent at commit.
-SELECT pg_notify(%(channel)s, 'r:' || ready.queue)
+SELECT pg_notify(%(channel)s, 'r:' || left(md5(convert_to(ready.queue, 'UTF8')), 16))
 FROM unnest(%(queues)s::text[]) AS ready (queue);
 
 -- name: publish_staged :many
@@ -715,7 +721,7 @@ wake AS (
     SELECT DISTINCT
         CASE WHEN delayed
             THEN 'd:' || extract(EPOCH FROM min(next_iteration) FILTER (WHERE delayed) OVER ())::text
-            ELSE 'r:' || queue
+            ELSE 'r:' || left(md5(convert_to(queue, 'UTF8')), 16)
         END AS payload
     FROM inserted
 )

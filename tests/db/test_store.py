@@ -10,6 +10,7 @@ import pytest
 from kombu import Connection
 from psycopg import sql
 
+from kombu_pgqueue._listener import queue_token
 from kombu_pgqueue._store import Outgoing, Store, new_lease
 
 Later = Callable[[float], datetime]
@@ -42,13 +43,15 @@ def test_publish_dedup_key_stores_one_message(store: Store) -> None:
     assert store.size("q") == 1
 
 
-def test_publish_notifies_the_schema_channel(store: Store, dsn: str) -> None:
+def test_publish_notifies_the_schema_channel_with_the_queues_token(store: Store, dsn: str) -> None:
     with psycopg.connect(dsn, autocommit=True) as listener:
         listener.execute(sql.SQL("LISTEN {}").format(sql.Identifier(store.options.channel)))
         store.publish(outgoing("wake me", "x"))
-        payloads = [n.payload for n in listener.notifies(timeout=5, stop_after=1)]
+        store.publish(outgoing("ünï ☃", "x"))
+        payloads = [n.payload for n in listener.notifies(timeout=5, stop_after=2)]
 
-    assert payloads == ["r:wake me"]
+    # the statement's token is the consumer's (queue names are not in notifications)
+    assert payloads == ["r:" + queue_token("wake me"), "r:" + queue_token("ünï ☃")]
 
 
 def test_publish_many_inserts_every_message(store: Store) -> None:
@@ -478,8 +481,8 @@ def test_publish_routed_follows_exchange_type(store: Store) -> None:
     assert store.publish_routed("d", "red", outgoing("", "x")) == ["q1"]
     assert sorted(store.publish_routed("f", "ignored", outgoing("", "x"))) == ["q1", "q2"]
     assert store.publish_routed("t", "a.b", outgoing("", "x")) == ["q1"]
-    assert store.publish_routed("t", "a.b.c", outgoing("", "x")) == []
-    assert store.publish_routed("nowhere", "red", outgoing("", "x")) == []
+    assert store.publish_routed("t", "a.b.c", outgoing("", "x")) is None  # unroutable
+    assert store.publish_routed("nowhere", "red", outgoing("", "x")) is None
     assert (store.size("q1"), store.size("q2")) == (3, 1)
 
 
@@ -492,7 +495,7 @@ def test_delete_exchange_removes_its_bindings(store: Store) -> None:
     assert store.exchange_type("ex") is None
     assert store.bindings("ex") == []
     store.declare_exchange("ex", "direct")
-    assert store.publish_routed("ex", "k", outgoing("", "x")) == []
+    assert store.publish_routed("ex", "k", outgoing("", "x")) is None  # nothing bound
 
 
 def test_unbind_removes_one_binding(store: Store) -> None:

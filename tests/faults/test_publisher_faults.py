@@ -179,3 +179,24 @@ def test_migrate_on_a_standby_says_so_in_one_line(
     assert done.returncode != 0
     assert "Traceback" not in done.stderr
     assert "read-only" in done.stderr and "primary" in done.stderr
+
+
+@pytest.mark.timeout(60)
+def test_a_commit_stuck_on_a_gone_synchronous_standby_raises_and_is_kept_once(
+    primary_and_standby: Callable[..., tuple[Cluster, Cluster]],
+    connect: Callable[..., Connection],
+) -> None:
+    primary, standby = primary_and_standby(synchronous=True)
+    kombu_pgqueue.migrate(primary.dsn, SCHEMA)
+    conn = connect(_url(primary), statement_timeout=1)
+    _publish(conn, "before")
+    standby.stop("immediate")  # every commit now waits for it
+
+    with pytest.raises(kombu.exceptions.OperationalError, match="synchronous standby"):
+        _publish(conn, "stuck", max_retries=0)
+
+    standby.start()
+    _publish(conn, "after", max_retries=3)
+    # "stuck" committed locally before its wait: the caller was told it failed, and it
+    # is there once (a retry by the caller would be a new publish call)
+    assert _size(primary) == 3
