@@ -120,6 +120,9 @@ def make_app(
         **transport_options,
     )
     table = sql.Identifier(schema, ledger)
+    # shared=False: Celery's default (shared) registers a task with every app finalized
+    # later, so a second make_app() would run the first one's closures (its DSN and ledger)
+    # and warn DuplicateTaskNameWarning
     gate_table = sql.Identifier(schema, f"{ledger}_gate")
 
     def start(task: Any, label: str) -> int:
@@ -143,13 +146,13 @@ def make_app(
                 (run,),
             )
 
-    @app.task(name="lifecycle.work", bind=True)
+    @app.task(name="lifecycle.work", bind=True, shared=False)
     def work(self: Any, label: str, *_: Any) -> str:
         """Run, and be done (further arguments are carried, not used)."""
         finish(start(self, label))
         return label
 
-    @app.task(name="lifecycle.block", bind=True)
+    @app.task(name="lifecycle.block", bind=True, shared=False)
     def block(self: Any, label: str, gate: str) -> str:
         """Run until gate ``gate`` is opened (see :func:`open_gate`)."""
         run = start(self, label)
@@ -159,7 +162,7 @@ def make_app(
         finish(run)
         return label
 
-    @app.task(name="lifecycle.poison", bind=True)
+    @app.task(name="lifecycle.poison", bind=True, shared=False)
     def poison(self: Any, label: str) -> None:
         """Kill the process running it, as a segfault or the OOM killer would."""
         start(self, label)
