@@ -82,19 +82,20 @@ Transport options
 
 from __future__ import annotations
 
+import difflib
+import logging
 import os
-import re
 import zlib
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, fields
 from typing import Any
 
-from kombu.transport.virtual.exchange import TopicExchange
-from kombu.utils.text import escape_regex
 from psycopg import conninfo as pg_conninfo
 from psycopg import pq
 
 from .exceptions import ConfigurationError
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_SCHEMA = "pgqueue"
 _MAX_IDENTIFIER = 63
@@ -196,33 +197,6 @@ def check_name(kind: str, name: Any) -> str:
     return name
 
 
-#: a topic binding's wildcard words, as PostgreSQL regular expressions
-_TOPIC_WILDCARDS = {"*": r"[^.]+", "#": r"[^\n]*?"}
-
-
-def topic_pattern(binding_key: str) -> str:
-    """Return the PostgreSQL regular expression that routes ``binding_key`` as Kombu does.
-
-    Kombu matches topic bindings with Python's ``re``, where ``.`` does not cross a
-    newline and a final ``$`` also matches before a trailing newline; PostgreSQL's ``.``
-    and ``$`` do neither. Words are escaped exactly as Kombu escapes them.
-    """
-    words = escape_regex(binding_key, ".#*").split(".")
-    try:
-        # Kombu leaves a '*' or '#' inside a word unescaped; where that makes its pattern
-        # invalid, no message could be routed through the binding (PostgreSQL rejects
-        # exactly those patterns too), so the binding is refused, not stored
-        re.compile(r"\.".join(TopicExchange.wildcards.get(word, word) for word in words))
-    except re.error as exc:
-        raise ConfigurationError(
-            f"topic binding key {binding_key!r} is not a valid pattern ({exc}): '*' and '#' "
-            "are wildcards only as whole words between dots; inside a word Kombu reads "
-            "them as parts of a regular expression"
-        ) from exc
-    body = r"\.".join(_TOPIC_WILDCARDS.get(word, word) for word in words)
-    return f"^{body}\\n?$"
-
-
 def check_schema(schema: Any) -> str:
     name = check_name("schema", schema)
     if not name or len(name.encode()) > _MAX_IDENTIFIER:
@@ -241,14 +215,47 @@ def notify_channel(schema: str) -> str:
     return f"pgqueue.{zlib.crc32(schema.encode()):08x}.notify"
 
 
+#: transport options that are not pgqueue's but reach it without a mistake: Kombu's
+#: retry policy, and other brokers' options a migrated app still sets
+FOREIGN_OPTIONS = frozenset(
+    {
+        "max_retries", "interval_start", "interval_step", "interval_max", "errback",
+        "confirm_publish", "fanout_prefix", "fanout_patterns", "global_keyprefix", "sep",
+        "priority_steps", "queue_order_strategy", "socket_timeout", "socket_connect_timeout",
+        "health_check_interval", "master_name", "region", "predefined_queues",
+        "client_properties", "heartbeat", "ack_emulation", "unacked_mutex_expire",
+        "claim_thread",
+    }
+)  # fmt: skip
+
+_warned: set[str] = set()
+
+
+def _warn_unknown(keys: Iterable[str]) -> None:
+    """Warn once per process about an option pgqueue does not know, naming the closest."""
+    known = [f.name for f in fields(Options)] + ["libpq", "async_claims"]
+    for key in keys:
+        if key in _warned or key in FOREIGN_OPTIONS or key in LIBPQ_KEYWORDS:
+            continue
+        _warned.add(key)
+        close = difflib.get_close_matches(key, known, n=1, cutoff=0.75)
+        logger.warning(
+            "pgqueue: ignoring transport option %r: not one of pgqueue's%s",
+            key,
+            f"; did you mean {close[0]!r}?" if close else " (see kombu_pgqueue._options)",
+        )
+
+
 def parse_options(transport_options: Mapping[str, Any]) -> Options:
     """Build :class:`Options` from Kombu's ``transport_options``.
 
-    Unknown keys are ignored: Kombu itself puts retry-policy keys in there
-    (``Producer.publish(retry=True)``). Keys that are libpq keywords
-    (``sslmode``, ``application_name``, ...) are collected for the connection.
+    Unknown keys are ignored, with a warning once per process (naming the closest valid
+    option) unless they are Kombu's retry-policy keys or other brokers' options (see
+    :data:`FOREIGN_OPTIONS`). Keys that are libpq keywords (``sslmode``,
+    ``application_name``, ...) are collected for the connection.
     """
     topts = dict(transport_options)
+    _warn_unknown(topts)
     libpq = {k: str(v) for k, v in topts.items() if k in LIBPQ_KEYWORDS and v is not None}
     libpq.update({k: str(v) for k, v in (topts.get("libpq") or {}).items()})
     commit = topts.get("synchronous_commit")

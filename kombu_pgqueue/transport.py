@@ -48,13 +48,15 @@ from kombu.transport import base, virtual
 from kombu.transport.virtual.base import Empty  # type: ignore[attr-defined]
 from kombu.utils.objects import cached_property
 
-from . import _counters, codec
+from . import codec
 from ._consumer import Consumer
 from ._loop import LoopDriver, drain
-from ._options import check_name, connection_conninfo, parse_options, topic_pattern
+from ._options import check_name, connection_conninfo, parse_options
 from ._qos import Message, QoS
 from ._store import CONNECTION_ERRORS, Store, driver_version
-from .exceptions import ConfigurationError, MessageError
+from ._topics import topic_pattern
+from ._unroutable import Unroutable
+from .exceptions import ConfigurationError
 from .records import Outgoing
 
 logger = logging.getLogger(__name__)
@@ -230,7 +232,7 @@ class Channel(virtual.Channel):
             check_name("routing key", routing_key or "")
             outgoing = self._outgoing("", message)
             if self.store.publish_routed(exchange, routing_key or "", outgoing) is None:
-                self.connection.unroutable(exchange, routing_key or "", message)
+                self.connection.unroutable.report(exchange, routing_key or "", message)
         else:
             self._put(routing_key, message)
 
@@ -317,7 +319,7 @@ class Transport(virtual.Transport):
 
     def __init__(self, client: Any, **kwargs: Any) -> None:
         self.options = parse_options(client.transport_options)
-        self._unroutable_seen: set[tuple[str, str]] = set()
+        self.unroutable = Unroutable(self.options.unroutable)
         super().__init__(client, **kwargs)  # type: ignore[no-untyped-call]
         self.polling_interval = self.options.polling_interval
         self.consumer = Consumer(
@@ -354,28 +356,6 @@ class Transport(virtual.Transport):
         finally:
             self._unregister()
             self.consumer.close()
-
-    def unroutable(self, exchange: str, routing_key: str, message: dict[str, Any]) -> None:
-        """No binding of ``exchange`` matched: count it; a persistent message is logged
-        once per exchange and key, or raises with ``unroutable="raise"``."""
-        _counters.add("unroutable")
-        if message.get("properties", {}).get("delivery_mode") == 1:
-            return  # transient (Celery's events with no monitor): expected to vanish
-        where = f"exchange {exchange!r} with routing key {routing_key!r}"
-        if self.options.unroutable == "raise":
-            raise MessageError(
-                f"unroutable: no queue is bound to {where}; declare the queue and its binding "
-                "first (or set transport option unroutable='warn' to drop such messages)"
-            )
-        if (exchange, routing_key) not in self._unroutable_seen and len(
-            self._unroutable_seen
-        ) < 1000:
-            self._unroutable_seen.add((exchange, routing_key))
-            logger.warning(
-                "pgqueue: dropped an unroutable message: no queue is bound to %s "
-                "(logged once per exchange and key; counted as 'unroutable')",
-                where,
-            )
 
     def flush_acks(self) -> None:
         """Send pending acks now, so what this transport reads next reflects them."""

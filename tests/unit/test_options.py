@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 
@@ -18,8 +19,8 @@ from kombu_pgqueue._options import (
     mask,
     notify_channel,
     parse_options,
-    topic_pattern,
 )
+from kombu_pgqueue._topics import topic_pattern
 
 
 def test_parse_options_defaults_match_the_documented_ones() -> None:
@@ -355,3 +356,30 @@ def test_async_claims_is_on_by_default_and_claim_thread_is_its_former_name() -> 
     assert parse_options({"async_claims": False}).async_claims is False
     assert parse_options({"claim_thread": False}).async_claims is False
     assert parse_options({"claim_thread": False, "async_claims": True}).async_claims is True
+
+
+@pytest.mark.parametrize(
+    ("typo", "meant"),
+    [("visiblity_timeout", "visibility_timeout"), ("max_attempt", "max_attempts")],
+)
+def test_a_misspelled_option_warns_once_naming_the_closest_one(
+    typo: str, meant: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="kombu_pgqueue"):
+        options = parse_options({typo: 7})
+        parse_options({typo: 7})
+
+    assert options == Options()  # ignored, as before
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 1
+    assert repr(typo) in warned[0] and repr(meant) in warned[0]
+
+
+def test_options_of_kombu_and_other_brokers_are_ignored_without_a_guess(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="kombu_pgqueue"):
+        parse_options({"max_retries": 3, "interval_start": 0, "confirm_publish": True})
+        parse_options({"fanout_prefix": True, "sep": ":"})
+
+    assert [r.getMessage() for r in caplog.records if "did you mean" in r.getMessage()] == []
