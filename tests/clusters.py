@@ -209,6 +209,18 @@ class Cluster:
             ignore=(psycopg.OperationalError,),
         )
 
+    def stop_streaming(self) -> None:
+        """Cut this standby off from its primary (``primary_conninfo = ''``), as a broken
+        link would: it keeps what it has received, later commits on the primary never
+        reach it, and a synchronous primary's commits wait for it."""
+        self.alter_system("primary_conninfo", "")
+
+        def cut_off() -> bool:
+            with self.connect() as conn:
+                return conn.execute("SELECT 1 FROM pg_stat_wal_receiver").fetchone() is None
+
+        wait_for(cut_off, STARTUP_SECONDS, f"{self.name} to stop streaming")
+
     def in_recovery(self) -> bool:
         with self.connect() as conn:
             row = conn.execute("SELECT pg_is_in_recovery()").fetchone()

@@ -58,6 +58,31 @@ def test_a_promoted_standby_takes_writes_after_the_primary_crashed(
         assert conn.execute("SELECT x FROM t ORDER BY x").fetchall() == [(1,), (2,)]
 
 
+def test_commits_after_an_asynchronous_standby_was_cut_off_are_lost_at_a_failover(
+    primary_and_standby: Callable[..., tuple[Cluster, Cluster]],
+) -> None:
+    primary, standby = primary_and_standby(synchronous=False)
+    with primary.connect() as conn:
+        conn.execute("CREATE TABLE t (x int)")
+        conn.execute("INSERT INTO t VALUES (1)")
+        lsn = conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()
+        assert lsn is not None
+        with standby.connect() as replica:
+            wait_for(
+                lambda: replica.execute(
+                    "SELECT pg_last_wal_receive_lsn() >= %s::pg_lsn", (lsn[0],)
+                ).fetchone()[0],  # type: ignore[index]
+                10,
+                "the standby to receive the first insert",
+            )
+        standby.stop_streaming()
+        conn.execute("INSERT INTO t VALUES (2)")  # returns: nobody waits for the standby
+    primary.stop("immediate")
+    standby.promote()
+    with standby.connect() as conn:
+        assert conn.execute("SELECT x FROM t").fetchall() == [(1,)]
+
+
 def test_a_paused_server_leaves_a_statement_unanswered_until_it_resumes(
     primary: Cluster,
 ) -> None:
