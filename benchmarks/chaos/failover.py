@@ -5,9 +5,11 @@ A throwaway primary and standby (``tests/clusters.py``) hold the broker; the led
 on the run's database (``--dsn``), which the failover does not touch. A publisher process
 sends tasks one by one at a steady rate (``send_task(retry=True)`` plus an outer retry)
 and writes down each id and time once its publish returned; one ``celery worker -P
-prefork -c 2`` (``acks_late``) runs them. When a third has been published, the primary
-is stopped with ``pg_ctl -m immediate`` and the standby promoted. Both use a broker URL
-that names both servers:
+prefork -c 2`` (``acks_late``) runs them. When a third has been published, the standby
+is cut off from the primary for ``CHAOS_FAILOVER_LAG`` seconds (default 1; 0: not at
+all), standing in for replication lag, which on one machine is too small to lose
+anything; then the primary is stopped with ``pg_ctl -m immediate`` and the standby
+promoted. Both use a broker URL that names both servers:
 
 * ``libpq`` (default): ``pgqueue+postgresql://postgres@/postgres?host=127.0.0.1,127.0.0.1
   &port=P1,P2&target_session_attrs=read-write``; libpq tries the hosts in turn and takes
@@ -17,9 +19,9 @@ that names both servers:
   Kombu moves to the next URL after a connection error.
 
 It runs twice: with synchronous replication (a commit returns once the standby has
-flushed it: 0 lost expected) and asynchronous (the last commits before the crash may
-never reach the standby: whatever is lost is listed with its publish time before the
-crash). Measured: the time from the promotion to the first and the 20th task started
+flushed it: 0 lost expected; publishes wait while the standby is cut off) and
+asynchronous (publishes go on returning while the standby is cut off, and those never
+reach it: whatever is lost is listed with its publish time before the crash). Measured: the time from the promotion to the first and the 20th task started
 after it (the worker holds up to 8 prefetched tasks and 2 running, so the 20th was
 certainly claimed from the new primary), the publisher's gap, the worker's reconnect
 lines, and whether the worker had to be restarted (if no task starts within
@@ -59,7 +61,10 @@ from clusters import Cluster  # noqa: E402
 #: publishes per second
 RATE = 100.0
 #: seconds after the promotion within which a task must start, or the worker is restarted
-RESUME_SECONDS = 60.0
+RESUME_SECONDS = 30.0
+#: seconds the standby is cut off from the primary before the crash (CHAOS_FAILOVER_LAG):
+#: replication lag, which on one machine is otherwise too small to lose anything
+LAG_SECONDS = float(os.environ.get("CHAOS_FAILOVER_LAG", "1.0"))
 #: the worker's transport options: held messages come back 10 s after a lost lease
 OPTIONS = {"visibility_timeout": 10, "polling_interval": 2}
 URL_FORMS = ("libpq", "kombu")
@@ -270,6 +275,11 @@ def _one(
                 every=0.1,
             )
             lag = _replication_lag(primary)
+            cut_at = len(ids_path.read_text().splitlines())
+            if LAG_SECONDS:
+                standby.stop_streaming()
+                procs.pause(LAG_SECONDS)
+            during_cut = len(ids_path.read_text().splitlines()) - cut_at
             crashed = datetime.datetime.now(datetime.timezone.utc)
             primary.stop("immediate")
             ledger.record_event(conn, run.run_id, "dbrestart", "failover", at=crashed)
@@ -355,7 +365,12 @@ def _one(
         rows += [(f"{mode}: {key}", value) for key, value in fig.rows()]
         rows += [
             (f"{mode}: dead letters on the new primary", dead),
-            (f"{mode}: WAL the standby had not flushed / replayed just before the crash", lag),
+            (f"{mode}: WAL the standby had not flushed / replayed before the cut-off", lag),
+            (
+                f"{mode}: publishes that returned while the standby was cut off "
+                f"({LAG_SECONDS:.1f} s before the crash)",
+                during_cut,
+            ),
             (f"{mode}: crash to promoted", f"{(promoted - crashed).total_seconds():.1f} s"),
             (
                 f"{mode}: first / 20th task start after the promotion",
@@ -401,6 +416,7 @@ def failover(ctx: Context) -> Result:
     result = Result("failover", True)
     result.measures.append(("broker URL form (CHAOS_FAILOVER_URL)", form))
     result.measures.append(("tasks per run, publish rate", f"{n}, {RATE:.0f}/s"))
+    result.measures.append(("standby cut off before the crash (CHAOS_FAILOVER_LAG)", LAG_SECONDS))
     for synchronous in (True, False):
         passed, rows, notes = _one(ctx, n, synchronous, form)
         result.passed = result.passed and passed
