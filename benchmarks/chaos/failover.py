@@ -21,11 +21,13 @@ promoted. Both use a broker URL that names both servers:
 It runs twice: with synchronous replication (a commit returns once the standby has
 flushed it: 0 lost expected; publishes wait while the standby is cut off) and
 asynchronous (publishes go on returning while the standby is cut off, and those never
-reach it: whatever is lost is listed with its publish time before the crash). Measured: the time from the promotion to the first and the 20th task started
-after it (the worker holds up to 8 prefetched tasks and 2 running, so the 20th was
-certainly claimed from the new primary), the publisher's gap, the worker's reconnect
-lines, and whether the worker had to be restarted (if no task starts within
-``RESUME_SECONDS`` of the promotion it is restarted, as an operator would: a FAIL).
+reach it: whatever is lost is listed with its publish time before the crash).
+
+Measured: the time from the promotion to the first and the 20th task started after it
+(the worker holds up to 8 prefetched tasks and 2 running, so the 20th was certainly
+claimed from the new primary), the publisher's gap, the worker's reconnect lines, and
+whether the worker had to be restarted (if no task starts within ``RESUME_SECONDS`` of
+the promotion it is restarted, as an operator would: a FAIL).
 
 ``celery -A benchmarks.chaos.failover worker`` also loads this module: ``app`` is built
 from the environment as in :mod:`benchmarks.chaos.app`, with ``CHAOS_BROKER_URL``.
