@@ -23,6 +23,7 @@ from .transactions import transaction
 
 TRANSPORT_ALIASES.setdefault("pgqueue", "kombu_pgqueue.transport:Transport")
 
+#: the distribution's version: pyproject.toml reads it from here (the one place it is set)
 __version__ = "0.1.0"
 
 __all__ = [
