@@ -29,6 +29,7 @@ from .records import (
     ClaimResult,
     DeadLetter,
     Delivered,
+    Failure,
     Outgoing,
     QueueStats,
 )
@@ -461,4 +462,33 @@ class Store:
 
     def purge_dead(self, queue: str | None = None) -> int:
         row = self._one("purge_dead", {"queue": queue})
+        return int(row[0]) if row else 0
+
+    # -- failed tasks and dead letters by reason and age (sql/archive.sql) ---------
+
+    def bury_failed(self, failure: Failure) -> int | None:
+        """Keep a task that failed for good as a dead letter (reason failed); its id,
+        or None when another delivery holds the message (it runs again there)."""
+        row = self._one("bury_failed", failure.params())
+        return int(row[0]) if row else None
+
+    def dead_letters_where(
+        self, queue: str | None, reason: str | None, limit: int
+    ) -> list[DeadLetter]:
+        params = {"queue": queue, "reason": reason, "limit": limit}
+        return [DeadLetter(*row) for row in self._rows("dead_letters_where", params)]
+
+    def dead_letter_full(self, id: int) -> DeadLetter | None:
+        row = self._one("dead_letter_full", {"id": id})
+        return DeadLetter(*row) if row else None
+
+    def purge_dead_where(
+        self,
+        queue: str | None,
+        reason: str | None,
+        older_than: float | None,
+        now: datetime | None = None,
+    ) -> int:
+        params = {"queue": queue, "reason": reason, "older_than": older_than, "now": now}
+        row = self._one("purge_dead_where", params)
         return int(row[0]) if row else 0

@@ -9,6 +9,7 @@
         print(stats.queue, stats.ready, stats.leased, stats.dead)
     dead = broker.dead_letters("emails", limit=10)
     broker.requeue_dead([letter.id for letter in dead])
+    broker.purge_dead(reason="failed", older_than=timedelta(days=7))
 
 :class:`Broker` works on one schema of one database: queue statistics, dead letters,
 purges, migrations, bulk loads and the monitor's bounded-cost queries. It is built from
@@ -26,6 +27,7 @@ what this module exports is the stable surface.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from datetime import datetime, timedelta
 from typing import Any, TypeAlias
 
 import psycopg
@@ -43,7 +45,7 @@ from ._options import (
     parse_options,
 )
 from .exceptions import ConfigurationError
-from .records import STAGING_COLUMNS, DeadLetter, Delivered, Outgoing, QueueStats
+from .records import STAGING_COLUMNS, DeadLetter, Delivered, Failure, Outgoing, QueueStats
 
 __all__ = [
     "COUNTER_EVENTS",
@@ -53,6 +55,7 @@ __all__ = [
     "Broker",
     "DeadLetter",
     "Delivered",
+    "Failure",
     "Monitor",
     "Options",
     "Outgoing",
@@ -231,14 +234,18 @@ class Broker:
 
     # -- dead letters ------------------------------------------------------------------
 
-    def dead_letters(self, queue: str | None = None, limit: int | None = 100) -> list[DeadLetter]:
-        """Dead letters, oldest first: of ``queue`` (None: every queue), at most ``limit``
-        of them (None: all)."""
-        return self._store.dead_letters(queue, _NO_LIMIT if limit is None else limit)
+    def dead_letters(
+        self, queue: str | None = None, limit: int | None = 100, *, reason: str | None = None
+    ) -> list[DeadLetter]:
+        """Dead letters, oldest first: of ``queue`` (None: every queue) and ``reason``
+        (``"failed"``, ``"rejected"``, ...; None: any), at most ``limit`` of them (None:
+        all). A failed task's letter carries its traceback."""
+        limit = _NO_LIMIT if limit is None else limit
+        return self._store.dead_letters_where(queue, reason, limit)
 
     def dead_letter(self, id: int) -> DeadLetter | None:
         """The dead letter ``id``, or None if there is none."""
-        return self._store.dead_letter(id)
+        return self._store.dead_letter_full(id)
 
     def requeue_dead(self, ids: Sequence[int]) -> list[str]:
         """Put dead letters back in their queues with their attempts reset; return the
@@ -249,9 +256,33 @@ class Broker:
         """
         return self._store.requeue_dead(list(ids)) if ids else []
 
-    def purge_dead(self, queue: str | None = None) -> int:
-        """Delete the dead letters of ``queue`` (None: every queue) for good; return how many."""
-        return self._store.purge_dead(queue)
+    def purge_dead(
+        self,
+        queue: str | None = None,
+        *,
+        reason: str | None = None,
+        older_than: timedelta | None = None,
+        now: datetime | None = None,
+    ) -> int:
+        """Delete dead letters for good; return how many. Those of ``queue`` (None: every
+        queue), of ``reason`` (None: any) and, with ``older_than``, only those that died
+        longer ago than that, as of ``now`` (None: the database server's clock)."""
+        seconds = None if older_than is None else older_than.total_seconds()
+        return self._store.purge_dead_where(queue, reason, seconds, now)
+
+    def bury_failed(self, failure: Failure) -> int | None:
+        """Keep a task that failed for good as a dead letter with reason ``failed``, its
+        error and traceback; return the letter's id (its message's).
+
+        Called from the process that ran the task (``celery_pgqueue``'s keep_failed). A
+        message that its delivery still holds (late acks) is kept as stored, and moved
+        out of its queue when ``failure.move`` says no ack follows; one already acked
+        (early acks) is written from ``failure.message``. Returns None, and keeps
+        nothing, when another delivery holds the message now: the delivery's lease
+        lapsed, and the message runs again there. A dead letter of the same message
+        (rejected meanwhile) takes the reason, error and traceback.
+        """
+        return self._store.bury_failed(failure)
 
     # -- bulk loads --------------------------------------------------------------------
 

@@ -86,9 +86,44 @@ class DeadLetter:
     content_encoding: str | None
     headers: str
     properties: str
-    #: the exception a consumer's callback raised on it, or why its body could not be
-    #: decoded (reasons consumer_error and undecodable); None otherwise
+    #: "Type: message" of the exception a task raised (reason failed) or a consumer's
+    #: callback raised on it (consumer_error), or why its body could not be decoded
+    #: (undecodable); None otherwise
     error: str | None = None
+    #: the traceback of a task that failed (reason failed); None otherwise, and from
+    #: the listings that do not read it
+    traceback: str | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Failure:
+    """A task that failed for good, as the process that ran it knows it.
+
+    ``id`` and ``lease`` name the delivery it ran from; ``message`` is its message as
+    rebuilt from the task's request, stored when the delivery no longer holds the row
+    (an early ack deleted it). ``move``: the worker rejects the message after this
+    (no ack follows), so a held row leaves its queue here rather than being copied.
+    """
+
+    id: int
+    lease: int
+    attempts: int
+    message: Outgoing
+    #: "Type: message"
+    error: str
+    traceback: str | None = None
+    move: bool = False
+
+    def params(self) -> dict[str, Any]:
+        return {
+            **self.message.params(),
+            "id": self.id,
+            "lease": self.lease,
+            "attempts": self.attempts,
+            "error": self.error,
+            "traceback": self.traceback,
+            "move": self.move,
+        }
 
 
 @dataclass(frozen=True, slots=True)
