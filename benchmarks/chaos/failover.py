@@ -277,13 +277,14 @@ def _one(
                 every=0.1,
             )
             lag = _replication_lag(primary)
-            cut_at = len(ids_path.read_text().splitlines())
             if LAG_SECONDS:
                 standby.stop_streaming()
-                procs.pause(LAG_SECONDS)
+            cut_at = len(ids_path.read_text().splitlines())
+            procs.pause(LAG_SECONDS)
             during_cut = len(ids_path.read_text().splitlines()) - cut_at
             crashed = datetime.datetime.now(datetime.timezone.utc)
             primary.stop("immediate")
+            stopped = datetime.datetime.now(datetime.timezone.utc)
             ledger.record_event(conn, run.run_id, "dbrestart", "failover", at=crashed)
             standby.promote()
             promoted = datetime.datetime.now(datetime.timezone.utc)
@@ -391,11 +392,13 @@ def _one(
             (f"{mode}: verdict", "PASS" if passed else "FAIL"),
         ]
         if fig.lost_ids:
-            before = sorted(crashed.timestamp() - at[i] for i in fig.lost_ids if i in at)
+            times = sorted(at[i] for i in fig.lost_ids if i in at)
             notes.append(
-                f"{mode}: {fig.lost} lost, published {before[0] * 1000:.0f}-"
-                f"{before[-1] * 1000:.0f} ms before the crash: their commits returned on "
-                "the primary and never reached the standby"
+                f"{mode}: {fig.lost} lost, published from "
+                f"{(crashed.timestamp() - times[0]) * 1000:.0f} ms before the stop command "
+                f"to {(times[-1] - crashed.timestamp()) * 1000:.0f} ms after it (it took "
+                f"{(stopped - crashed).total_seconds() * 1000:.0f} ms): their commits "
+                "returned on the primary and never reached the standby"
                 + ("" if not synchronous else " (synchronous replication should not lose any)")
             )
         if broken:
