@@ -66,3 +66,14 @@ ONLY_FOR: Mapping[str, frozenset[str]] = {
 }
 #: the opt-in asynchronous-commit variant is measured where publishing matters
 VARIANT_GROUPS = frozenset({"kombu", "celery_publish", "drain", "latency"})
+
+# the scale groups: many publishers (scale.py), many listening workers (listeners.py)
+from .listeners import LISTENER_FIGURES  # noqa: E402
+from .scale import PUBLISHER_FIGURES  # noqa: E402
+
+FIGURES = {**FIGURES, **PUBLISHER_FIGURES, **LISTENER_FIGURES}
+GROUPS = (*GROUPS, "publishers", "listeners")
+GROUP_FIGURES = {**GROUP_FIGURES, "publishers": tuple(PUBLISHER_FIGURES)}
+GROUP_FIGURES = {**GROUP_FIGURES, "listeners": tuple(LISTENER_FIGURES)}
+ONLY_FOR = {**ONLY_FOR, "listeners": frozenset({"pgqueue"})}
+VARIANT_GROUPS = VARIANT_GROUPS | {"publishers"}

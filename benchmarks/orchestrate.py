@@ -12,11 +12,13 @@ from .celery_runs import bench_celery
 from .config import STEP_WATCHDOG, Ctx, log
 from .figures import ONLY_FOR
 from .kombu_runs import bench_kombu
+from .listeners import bench_listeners
 from .peers import Broker, close_sqla_sessions
 from .probes_bulk import bench_bulk
 from .probes_claim import bench_claim
 from .probes_eta import bench_eta_rss
 from .probes_idle import bench_idle
+from .scale import bench_publishers
 
 Results = dict[str, dict[str, list[float]]]
 
@@ -75,6 +77,8 @@ def run_all(ctx: Ctx, groups: list[str]) -> Results:
                 )
             if "bulk" in groups and b.name in ONLY_FOR["bulk"]:
                 guarded(b, "bulk", lambda b=b, run=run: bench_bulk(ctx, b, run))
+            if "publishers" in groups:
+                guarded(b, "publishers", lambda b=b, run=run: bench_publishers(ctx, b, run))
         idle = [b for b in live if b.name in ONLY_FOR["idle"]]
         if "idle" in groups and idle:
             t0 = time.monotonic()
@@ -94,6 +98,9 @@ def run_all(ctx: Ctx, groups: list[str]) -> Results:
     if "claim" in groups and "pgqueue" in ctx.brokers and ctx.brokers["pgqueue"].available:
         log("claim cost (loaded once, measured --runs times)")
         guarded(ctx.brokers["pgqueue"], "claim", lambda: bench_claim(ctx, ctx.brokers["pgqueue"]))
+    if "listeners" in groups and "pgqueue" in ctx.brokers:
+        log("NOTIFY with many listening sessions (a throwaway cluster, --runs sweeps)")
+        guarded(ctx.brokers["pgqueue"], "listeners", lambda: bench_listeners(ctx))
     if "eta_rss" in groups:
         log("worker RSS with ETA tasks (one run)")
         for b in live:
