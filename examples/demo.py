@@ -6,6 +6,9 @@
 It starts a worker process, sends plain, routed, prioritised, delayed, retried
 and chord tasks, waits for every result, shows ``celery pgqueue queues``, and
 stops the worker with a warm shutdown. Exit status 0 means every result was right.
+
+On a database of yours it keeps to a schema of its own (``pgqueue_demo``, see
+``tasks.py``): your broker's schema and queues are never read or written.
 """
 
 from __future__ import annotations
@@ -34,6 +37,12 @@ def main() -> int:
     import tasks
     from celery import chord
 
+    import kombu_pgqueue
+
+    # before the first result: Celery's result backend makes its tables in this schema
+    kombu_pgqueue.migrate(dsn, tasks.SCHEMA)
+    print(f"schema: {tasks.SCHEMA}, queues: {tasks.QUEUE}, {tasks.IO_QUEUE}", flush=True)
+
     worker = subprocess.Popen(
         [
             sys.executable,
@@ -43,7 +52,7 @@ def main() -> int:
             "tasks",
             "worker",
             "-Q",
-            "celery,io",
+            f"{tasks.QUEUE},{tasks.IO_QUEUE}",
             "-c",
             "2",
             "-l",
@@ -65,7 +74,9 @@ def main() -> int:
 
         checks = {
             "50 adds": [r.get(timeout=60) for r in sums] == [2 * i for i in range(50)],
-            "10 checksums on queue 'io'": all(len(r.get(timeout=60)) == 16 for r in digests),
+            f"10 checksums on queue {tasks.IO_QUEUE!r}": all(
+                len(r.get(timeout=60)) == 16 for r in digests
+            ),
             "priority 9 task": urgent.get(timeout=60) == 1001,
             "countdown=2 task": later.get(timeout=60) == 5,
             "task retried twice, then ok": retried.get(timeout=60) == 7.0,
