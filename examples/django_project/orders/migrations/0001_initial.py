@@ -8,7 +8,12 @@ class Migration(migrations.Migration):
         migrations.CreateModel(
             name="Order",
             fields=[
-                ("id", models.BigAutoField(primary_key=True, serialize=False)),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
                 ("item", models.CharField(max_length=100)),
                 ("status", models.CharField(default="new", max_length=20)),
             ],
@@ -16,7 +21,12 @@ class Migration(migrations.Migration):
         migrations.CreateModel(
             name="Shipment",
             fields=[
-                ("id", models.BigAutoField(primary_key=True, serialize=False)),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
                 ("order_id", models.BigIntegerField()),
                 ("found_order", models.BooleanField()),
             ],
