@@ -8,6 +8,7 @@ the sentinel has run, anything queued before it has run too.
 from __future__ import annotations
 
 import threading
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -23,6 +24,14 @@ from wire_faults import FaultProxy
 QUEUE = "dd"
 
 
+def _task_id() -> str:
+    """A task id to send more than once. Never a constant: Celery's result tables are
+    shared by every test (and every run) on the database, and two rows of one id from
+    different tests or runs collide in celery_taskmeta (IntegrityError, or another
+    Celery version's pickle read back)."""
+    return f"dd-{uuid.uuid4().hex}"
+
+
 def _get(connection: Connection, queue: str = QUEUE) -> Any:
     """Claim one message (leased until acked), or fail."""
     message = Queue(queue, channel=connection.default_channel).get(no_ack=False)
@@ -33,7 +42,9 @@ def _get(connection: Connection, queue: str = QUEUE) -> Any:
 def _recorder(app: Celery) -> tuple[Any, list[str]]:
     ran: list[str] = []
 
-    @app.task(name="dd.record", shared=False)
+    # ignore_result: the tests count runs, and the runs of one task id would store
+    # their results at once (two INSERTs of one task_id: an IntegrityError)
+    @app.task(name="dd.record", shared=False, ignore_result=True)
     def record(label: str) -> None:
         ran.append(label)
 
@@ -210,7 +221,7 @@ def test_celery_dedup_replace_leaves_a_running_message(app, connection, rows):
     ran: list[str] = []
 
     # acks_late: the message stays leased (and its key held) while the task runs
-    @app.task(name="dd.hold", shared=False, acks_late=True)
+    @app.task(name="dd.hold", shared=False, acks_late=True, ignore_result=True)
     def hold(label: str) -> None:
         started.set()
         gate.wait(20)
@@ -236,46 +247,54 @@ def test_celery_task_id_dedup_ends_at_the_early_ack(app, connection, rows):
     gate = threading.Event()
     ran: list[str] = []
 
-    @app.task(name="dd.hold", shared=False)
+    task_id = _task_id()
+
+    # ignore_result: both runs of the id finish together when the gate opens
+    @app.task(name="dd.hold", shared=False, ignore_result=True)
     def hold(label: str) -> None:
         started.set()
         gate.wait(20)
         ran.append(label)
 
     with start_worker(app, pool="threads", concurrency=2, perform_ping_check=False):
-        app.send_task("dd.hold", ("first",), task_id="fixed-task-id")
+        app.send_task("dd.hold", ("first",), task_id=task_id)
         assert started.wait(15)
         # Celery acks before running (acks_late=False): once that ack is written, the
         # table no longer holds the running task's key
         wait_for(lambda: rows() == [], 10, "the early ack")
         # the publish is retried while the task runs
-        app.send_task("dd.hold", ("retried publish",), task_id="fixed-task-id")
+        app.send_task("dd.hold", ("retried publish",), task_id=task_id)
         gate.set()
         wait_for(lambda: "first" in ran, 15, "the running task to finish")
         hold.apply_async(("sentinel",))
         wait_for(lambda: "sentinel" in ran, 15, "the sentinel task")
     assert sorted(ran) == ["first", "retried publish", "sentinel"]
+    assert app.AsyncResult(task_id).state == "PENDING"  # no result row written
 
 
 def test_celery_same_task_id_sent_twice_runs_twice(app, connection, rows):
     """apply_async(task_id=...) twice is two sends Celery meant (not a publish retry)."""
     record, ran = _recorder(app)
-    first = app.send_task("dd.record", ("twice",), task_id="fixed-task-id")
-    again = app.send_task("dd.record", ("twice",), task_id="fixed-task-id")
-    assert first.id == again.id == "fixed-task-id"
+    task_id = _task_id()
+    first = app.send_task("dd.record", ("twice",), task_id=task_id)
+    again = app.send_task("dd.record", ("twice",), task_id=task_id)
+    assert first.id == again.id == task_id
     assert len(rows()) == 2
     _run_until_sentinel(app, record, ran)
     assert sorted(ran) == ["sentinel", "twice", "twice"]
+    # neither run wrote a result: two at once would race for one celery_taskmeta row
+    assert app.AsyncResult(task_id).state == "PENDING"
 
 
 def test_celery_task_id_sent_twice_through_a_named_exchange(app, connection, rows):
     exchange = Exchange("dd_tasks", "direct")
     Queue(QUEUE, exchange, routing_key="dd.key", channel=connection.default_channel).declare()
+    task_id = _task_id()
     for _ in range(2):
         app.send_task(
             "dd.record",
             ("twice",),
-            task_id="fixed-task-id",
+            task_id=task_id,
             exchange=exchange,
             routing_key="dd.key",
         )
@@ -336,8 +355,9 @@ def test_dedup_task_ids_false_stores_both_copies(celery_dsn, schema, connection,
     app = make_app(celery_dsn, schema, dedup_task_ids=False)
     try:
         record, ran = _recorder(app)
-        app.send_task("dd.record", ("twice",), task_id="fixed-task-id")
-        app.send_task("dd.record", ("twice",), task_id="fixed-task-id")
+        task_id = _task_id()
+        app.send_task("dd.record", ("twice",), task_id=task_id)
+        app.send_task("dd.record", ("twice",), task_id=task_id)
         assert rows("dedup_key") == [(None,), (None,)]
         _run_until_sentinel(app, record, ran)
         assert sorted(ran) == ["sentinel", "twice", "twice"]
