@@ -6,7 +6,10 @@
     import celery_pgqueue
 
     app = Celery("proj")
-    celery_pgqueue.configure(app, "postgresql://app@db.internal/app")
+    celery_pgqueue.configure(app, "postgresql://app@db.internal/app", keep_failed=True)
+
+Importing the package connects the failed-task archive's ``task_failure`` receiver
+(:mod:`celery_pgqueue.archive`), which does nothing unless an app turns it on.
 """
 
 from __future__ import annotations
@@ -14,30 +17,47 @@ from __future__ import annotations
 from typing import Any
 
 import kombu_pgqueue  # noqa: F401 - registers the pgqueue:// transport alias
-from kombu_pgqueue import __version__  # one distribution, one version
+from kombu_pgqueue.admin import conninfo
 from kombu_pgqueue.embedded import broker_url
 
-__all__ = ["__version__", "broker_url", "configure", "result_backend_url"]
+from . import archive
+
+__all__ = ["broker_url", "configure", "result_backend_url"]
 
 
 def result_backend_url(dsn: str) -> str:
-    """Celery's SQLAlchemy result backend URL (psycopg 3 driver) for ``dsn``."""
+    """Celery's SQLAlchemy result backend URL (psycopg 3 driver) for ``dsn``, a libpq URL
+    or key=value string.
+
+    One host goes where URLs put it (``user@host:port/db``); a Unix socket directory and
+    several hosts (libpq's failover), which a URL's host cannot hold, go in the query
+    string as SQLAlchemy's psycopg dialect reads them.
+    """
     from psycopg.conninfo import conninfo_to_dict
     from sqlalchemy.engine import URL
 
     params: dict[str, Any] = {k: str(v) for k, v in conninfo_to_dict(dsn).items() if v is not None}
+    host = params.pop("host", None)
     port = params.pop("port", None)
-    if "," in params.get("host", ""):
-        # several hosts (libpq's failover): SQLAlchemy takes them as host=h:p, repeated
-        hosts = params["host"].split(",")
+    if host and "," in host:
+        # several hosts: SQLAlchemy takes them as host=h:p, repeated
+        hosts = host.split(",")
         ports = (port or "").split(",")
         ports = ports * len(hosts) if len(ports) == 1 else ports
         params["host"] = tuple(f"{h}:{p}" if p else h for h, p in zip(hosts, ports))
-        port = None
+        host = port = None
+    elif host and host.startswith("/"):
+        # a socket directory (libpq: any host starting with a slash); its port names the
+        # socket file, and an empty host with a port would read as ":5432" in the URL
+        params["host"] = host
+        if port:
+            params["port"] = port
+        host = port = None
     url = URL.create(
         "postgresql+psycopg",
         username=params.pop("user", None),
         password=params.pop("password", None),
+        host=host or None,
         port=int(port) if port else None,
         database=params.pop("dbname", None),
         query=params,
@@ -45,25 +65,54 @@ def result_backend_url(dsn: str) -> str:
     return "db+" + url.render_as_string(hide_password=False)
 
 
+def _is_broker_url(url: str) -> bool:
+    return url.partition("://")[0].split("+")[0] == "pgqueue"
+
+
 def configure(
     app: Any,
     dsn: str,
     *,
     results: bool = True,
+    keep_failed: bool | None = None,
     **transport_options: Any,
 ) -> None:
     """Point ``app``'s broker (and, unless ``results=False``, its result backend) at ``dsn``.
 
-    ``transport_options`` are pgqueue's (``schema``, ``visibility_timeout``,
-    ``max_attempts``, ...; see :mod:`kombu_pgqueue.transport`).
+    ``dsn`` is a libpq URL or key=value string, or a ``pgqueue://`` broker URL (also
+    ``pgqueue+postgresql://...`` and a failover list ``pgqueue://a/db;pgqueue://b/db``,
+    whose first URL then holds the results). ``transport_options`` are pgqueue's
+    (``schema``, ``visibility_timeout``, ``max_attempts``, ...; see
+    :mod:`kombu_pgqueue.transport`); libpq keywords among them (``sslmode``, ...) apply
+    to the results' connections too. ``keep_failed=True`` keeps tasks that fail for
+    good in the dead letters (the setting ``pgqueue_keep_failed``; see
+    :mod:`celery_pgqueue.archive`); None leaves the setting as it is.
     """
     conf = app.conf
-    conf.broker_url = broker_url(dsn)
+    conf.broker_url = dsn if _is_broker_url(dsn) else broker_url(dsn)
     conf.broker_transport_options = {
         **dict(conf.broker_transport_options or {}),
         **transport_options,
     }
     conf.broker_connection_retry_on_startup = True
     if results:
-        conf.result_backend = result_backend_url(dsn)
+        conf.result_backend = result_backend_url(_results_conninfo(dsn, transport_options))
         conf.result_extended = True
+    if keep_failed is not None:
+        conf[archive.SETTING] = keep_failed
+
+
+def _results_conninfo(dsn: str, transport_options: dict[str, Any]) -> str:
+    """The libpq string of ``dsn`` for the results: as the transport connects, without the
+    session keywords the transport adds to a broker URL's (its application_name names
+    the broker's pool in the configuring process, its connect_timeout is its own)."""
+    from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+    found = conninfo(dsn, **transport_options)
+    if not _is_broker_url(dsn):
+        return found
+    params = conninfo_to_dict(found)
+    for key in ("application_name", "connect_timeout"):
+        if key not in transport_options:
+            params.pop(key, None)
+    return make_conninfo("", **params)

@@ -4,10 +4,10 @@
 
     celery -A proj pgqueue migrate
     celery -A proj pgqueue queues [--json]
-    celery -A proj pgqueue dead list [--queue Q] [--limit N] [--json]
+    celery -A proj pgqueue dead list [--queue Q] [--reason R] [--limit N] [--json]
     celery -A proj pgqueue dead show ID
-    celery -A proj pgqueue dead requeue ID... | --all [--queue Q]
-    celery -A proj pgqueue dead purge [--queue Q] --yes
+    celery -A proj pgqueue dead requeue ID... | --all [--queue Q] [--reason R]
+    celery -A proj pgqueue dead purge [--queue Q] [--reason R] [--older-than 7d] --yes
     celery -A proj pgqueue purge QUEUE... --yes
     celery -A proj pgqueue metrics [--port 9808] [--schema S] [--interval 10] [--cap 10000]
 """
@@ -15,7 +15,9 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
+from datetime import timedelta
 from typing import Any
 
 import click
@@ -46,6 +48,41 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     return "\n".join(lines)
 
 
+#: seconds in each unit of a duration
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)([smhdw])")
+
+
+def parse_duration(text: str) -> timedelta:
+    """``"7d"``, ``"12h"``, ``"1d12h"``, ``"90m"``, ``"30s"``, ``"2w"`` as a timedelta."""
+    spec = text.strip().lower()
+    parts = _DURATION.findall(spec)
+    if not parts or "".join(n + u for n, u in parts) != spec:
+        raise ValueError(
+            f"{text!r} is not a duration: a number and a unit (s, m, h, d, w), e.g. 7d or 1d12h"
+        )
+    return timedelta(seconds=sum(float(n) * _UNITS[u] for n, u in parts))
+
+
+def _duration(ctx: click.Context, param: click.Parameter, value: str | None) -> timedelta | None:
+    """Click callback: a duration option's text as a timedelta."""
+    if value is None:
+        return None
+    try:
+        return parse_duration(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), ctx, param) from exc
+
+
+#: the widest error the dead letter table shows (dead show has it whole)
+_ERROR_WIDTH = 60
+
+
+def _short(error: str | None) -> str:
+    line = (error or "").strip().splitlines()[-1:] or [""]
+    return line[0] if len(line[0]) <= _ERROR_WIDTH else line[0][: _ERROR_WIDTH - 3] + "..."
+
+
 def _age(seconds: float | None) -> str:
     if seconds is None:
         return "-"
@@ -63,6 +100,9 @@ def _dead_dict(dead: admin.DeadLetter, *, body: bool = False) -> dict[str, Any]:
         "queue": dead.queue,
         "task": headers.get("task"),
         "task_id": headers.get("id"),
+        "argsrepr": headers.get("argsrepr"),
+        "kwargsrepr": headers.get("kwargsrepr"),
+        "retries": headers.get("retries"),
         "reason": dead.reason,
         "error": dead.error,
         "attempts": dead.attempts,
@@ -71,6 +111,7 @@ def _dead_dict(dead: admin.DeadLetter, *, body: bool = False) -> dict[str, Any]:
         "died_at": dead.died_at.isoformat(),
     }
     if body:
+        found["traceback"] = dead.traceback
         found["headers"] = headers
         found["properties"] = _loads(dead.properties)
         found["content_type"] = dead.content_type
@@ -141,29 +182,41 @@ def purge(ctx: click.Context, queue_names: tuple[str, ...], yes: bool) -> None:
 
 @pgqueue.group()
 def dead() -> None:
-    """Dead letters: rejected messages and messages out of attempts."""
+    """Dead letters: rejected messages, messages out of attempts and, with the setting
+    pgqueue_keep_failed, tasks that failed for good (reason failed)."""
+
+
+_REASON = click.option(
+    "--reason",
+    default=None,
+    help="only this reason: failed, rejected, max_attempts, consumer_error, undecodable, ...",
+)
 
 
 @dead.command("list")
 @click.option("--queue", default=None, help="only this queue")
+@_REASON
 @click.option("--limit", default=50, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="print JSON for scripts")
 @click.pass_context
-def dead_list(ctx: click.Context, queue: str | None, limit: int, as_json: bool) -> None:
+def dead_list(
+    ctx: click.Context, queue: str | None, reason: str | None, limit: int, as_json: bool
+) -> None:
     """List dead letters, oldest first."""
-    found = [_dead_dict(d) for d in _broker(ctx).dead_letters(queue, limit)]
+    found = [_dead_dict(d) for d in _broker(ctx).dead_letters(queue, limit, reason=reason)]
     if as_json:
         click.echo(json.dumps(found, indent=2))
         return
     keys = ("id", "queue", "task", "task_id", "reason", "attempts", "died_at")
-    click.echo(table(keys, [[d[k] for k in keys] for d in found]))
+    rows = [[d[k] for k in keys] + [_short(d["error"])] for d in found]
+    click.echo(table((*keys, "error"), rows))
 
 
 @dead.command("show")
 @click.argument("message_id", type=int)
 @click.pass_context
 def dead_show(ctx: click.Context, message_id: int) -> None:
-    """Show one dead letter in full (headers, properties, body)."""
+    """Show one dead letter in full (traceback, headers, properties, body)."""
     found = _broker(ctx).dead_letter(message_id)
     if found is None:
         raise click.ClickException(f"no dead letter with id {message_id}")
@@ -172,19 +225,27 @@ def dead_show(ctx: click.Context, message_id: int) -> None:
 
 @dead.command("requeue")
 @click.argument("message_ids", nargs=-1, type=int)
-@click.option("--all", "everything", is_flag=True, help="every dead letter (of --queue)")
+@click.option(
+    "--all", "everything", is_flag=True, help="every dead letter (of --queue, of --reason)"
+)
 @click.option("--queue", default=None)
+@_REASON
 @click.pass_context
 def dead_requeue(
-    ctx: click.Context, message_ids: tuple[int, ...], everything: bool, queue: str | None
+    ctx: click.Context,
+    message_ids: tuple[int, ...],
+    everything: bool,
+    queue: str | None,
+    reason: str | None,
 ) -> None:
-    """Put dead letters back in their queues, with their attempts reset."""
+    """Put dead letters back in their queues, with their attempts reset. A task runs
+    again with its task id, so its result is overwritten."""
     if not message_ids and not everything:
         raise click.UsageError("name dead letter ids, or pass --all")
     broker = _broker(ctx)
     ids = list(message_ids)
     if everything:
-        ids = [d.id for d in broker.dead_letters(queue, limit=None)]
+        ids = [d.id for d in broker.dead_letters(queue, limit=None, reason=reason)]
     queues_hit = broker.requeue_dead(ids)
     # a letter whose dedup key a live message holds stays dead rather than run twice
     asked = set(ids)
@@ -198,13 +259,33 @@ def dead_requeue(
 
 @dead.command("purge")
 @click.option("--queue", default=None)
+@_REASON
+@click.option(
+    "--older-than",
+    default=None,
+    metavar="DURATION",
+    callback=_duration,
+    help="only those dead for longer than this: 30m, 12h, 7d, 2w, 1d12h",
+)
 @click.option("--yes", is_flag=True, help="do not ask")
 @click.pass_context
-def dead_purge(ctx: click.Context, queue: str | None, yes: bool) -> None:
+def dead_purge(
+    ctx: click.Context,
+    queue: str | None,
+    reason: str | None,
+    older_than: timedelta | None,
+    yes: bool,
+) -> None:
     """Delete dead letters for good."""
     if not yes:
-        click.confirm(f"Delete the dead letters of {queue or 'every queue'} for good?", abort=True)
-    click.echo(f"deleted {_broker(ctx).purge_dead(queue)} dead letters")
+        which = f"the dead letters of {queue or 'every queue'}"
+        if reason:
+            which += f" with reason {reason}"
+        if older_than is not None:
+            which += f" that died over {older_than} ago"
+        click.confirm(f"Delete {which} for good?", abort=True)
+    deleted = _broker(ctx).purge_dead(queue, reason=reason, older_than=older_than)
+    click.echo(f"deleted {deleted} dead letters")
 
 
 @pgqueue.command()

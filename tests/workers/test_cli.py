@@ -18,7 +18,8 @@ from psycopg import sql
 from psycopg.rows import dict_row
 
 import kombu_pgqueue
-from kombu_pgqueue import migrations
+from celery_pgqueue.cli import parse_duration
+from kombu_pgqueue import admin, codec, migrations
 
 pytestmark = pytest.mark.celery
 
@@ -137,6 +138,7 @@ def test_dead_list_and_show(cli, sent, db, schema):
         "reason",
         "attempts",
         "died_at",
+        "error",
     ]
     assert all(task_id in listed for task_id in sent["doomed"])
 
@@ -146,6 +148,7 @@ def test_dead_list_and_show(cli, sent, db, schema):
     assert shown["headers"]["task"] == "lifecycle.work"
     assert json.loads(shown["body"])[0] == ["d1", 1]
     assert shown["error"] is None  # rejected: no exception to show
+    assert shown["traceback"] is None
 
     missing = cli("dead", "show", "987654321", ok=False)
     assert missing.returncode != 0
@@ -202,3 +205,114 @@ def test_purge_queues(cli, sent, db, schema):
     ]
     assert rows(db, schema, "message") == []
     assert len(rows(db, schema, "dead_letter")) == 2  # purge leaves dead letters alone
+
+
+@pytest.fixture
+def failed(dsn: str, schema: str, sent: dict[str, list[str]]) -> int:
+    """The first message of 'other' kept as a task that failed for good: its letter id."""
+    app = make_app(dsn, schema)
+    try:
+        with app.connection_for_write() as conn:
+            message = conn.default_channel.basic_get("other")
+            message_id, lease = codec.parse_tag(message.delivery_tag)
+            kept = admin.Broker.from_connection(conn).bury_failed(
+                admin.Failure(
+                    id=message_id,
+                    lease=lease,
+                    attempts=1,
+                    # the stored row is held, so it is kept instead of this
+                    message=admin.Outgoing(queue="other", body=b"", headers="{}", properties="{}"),
+                    error="tasks.PaymentDeclined: " + "card declined " * 10,
+                    traceback="Traceback (most recent call last):\n  ...\n",
+                    move=True,
+                )
+            )
+    finally:
+        app.close()
+    assert kept == message_id
+    return message_id
+
+
+def age(db: psycopg.Connection, schema: str, ids: list[int], days: float) -> None:
+    """Make dead letters ``ids`` die ``days`` earlier: time moves in the data, not by sleeping."""
+    db.execute(
+        sql.SQL(
+            "UPDATE {} SET died_at = died_at - make_interval(days => %s) WHERE id = ANY(%s)"
+        ).format(sql.Identifier(schema, "dead_letter")),
+        (days, ids),
+    )
+
+
+def test_dead_list_by_reason_shows_a_failed_tasks_error(cli, sent, failed):
+    found = json.loads(cli("dead", "list", "--reason", "failed", "--json").stdout)
+    assert [(d["id"], d["queue"], d["task"], d["retries"]) for d in found] == [
+        (failed, "other", "lifecycle.work", 0)
+    ]
+    assert found[0]["task_id"] == sent["other"][0]
+    assert found[0]["argsrepr"] == "('o0',)"
+    assert found[0]["error"].startswith("tasks.PaymentDeclined: card declined")
+    rejected = json.loads(cli("dead", "list", "--reason", "rejected", "--json").stdout)
+    assert [d["task_id"] for d in rejected] == sent["doomed"]
+
+    lines = cli("dead", "list", "--reason", "failed").stdout.splitlines()
+    assert len(lines) == 3 and lines[0].split()[-1] == "error"
+    # the table shows the error's last line, cut short; dead show has it whole
+    assert lines[2].endswith("tasks.PaymentDeclined: card declined card declined card d...")
+    shown = json.loads(cli("dead", "show", str(failed)).stdout)
+    assert shown["error"] == "tasks.PaymentDeclined: " + "card declined " * 10
+    assert shown["traceback"] == "Traceback (most recent call last):\n  ...\n"
+
+
+def test_dead_requeue_all_of_a_reason(cli, sent, failed, db, schema):
+    done = cli("dead", "requeue", "--all", "--reason", "failed")
+    assert done.stdout.strip() == "requeued 1 dead letters into other"
+    assert task_ids(rows(db, schema, "dead_letter")) == sent["doomed"]
+    # the task's message again, with its task id: a worker runs it as that task
+    assert task_ids(rows(db, schema, "message"), "other") == sent["other"][1:] + sent["other"][:1]
+
+
+def test_dead_purge_older_than_and_by_reason(cli, sent, failed, db, schema):
+    doomed = [r["id"] for r in rows(db, schema, "dead_letter") if r["queue"] == "doomed"]
+    age(db, schema, [doomed[0], failed], days=8)
+    age(db, schema, [doomed[1]], days=6)
+
+    done = cli("dead", "purge", "--reason", "failed", "--older-than", "7d", "--yes")
+    assert done.stdout.strip() == "deleted 1 dead letters"
+    assert [r["id"] for r in rows(db, schema, "dead_letter")] == doomed
+
+    assert cli("dead", "purge", "--older-than", "1w", "--yes").stdout.strip() == (
+        "deleted 1 dead letters"
+    )
+    assert cli("dead", "purge", "--older-than", "5d23h", "--yes").stdout.strip() == (
+        "deleted 1 dead letters"
+    )
+    assert rows(db, schema, "dead_letter") == []
+
+
+def test_dead_purge_asks_naming_what_it_deletes_and_refuses_a_bad_duration(cli, sent, db, schema):
+    asked = cli("dead", "purge", "--reason", "failed", "--older-than", "7d", ok=False, stdin="n\n")
+    assert asked.returncode != 0
+    assert (
+        "Delete the dead letters of every queue with reason failed that died over "
+        "7 days, 0:00:00 ago for good?"
+    ) in asked.stdout
+
+    bad = cli("dead", "purge", "--older-than", "7 days", "--yes", ok=False)
+    assert bad.returncode == 2
+    assert "'7 days' is not a duration" in bad.stderr
+    assert len(rows(db, schema, "dead_letter")) == 2
+
+
+@pytest.mark.parametrize(
+    "text, seconds",
+    [("30s", 30), ("90m", 5400), ("12h", 43200), ("7d", 604800), ("2w", 1209600),
+     ("1d12h", 129600), ("1.5h", 5400), (" 7D ", 604800)],
+)  # fmt: skip
+def test_parse_duration(text: str, seconds: int) -> None:
+    assert parse_duration(text).total_seconds() == seconds
+
+
+@pytest.mark.parametrize("text", ["", "7", "d", "7 d", "7days", "-7d", "7d ago", "1d12"])
+def test_parse_duration_refuses(text: str) -> None:
+    with pytest.raises(ValueError, match="is not a duration"):
+        parse_duration(text)

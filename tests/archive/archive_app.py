@@ -1,0 +1,131 @@
+"""The Celery app of the failed-task archive tests, for real ``celery worker`` processes.
+
+``celery -A archive_app worker`` builds it from ``PGQUEUE_DSN`` and ``PGQUEUE_SCHEMA``,
+with the setting ``pgqueue_keep_failed`` on (``PGQUEUE_KEEP_FAILED=0``: off) and
+results in the same database. Every task fails with :class:`Declined` until the gate
+named by its label is opened (a row in the schema's ``gate`` table), and writes each run
+to the ``runs`` table first, so the tests count executions exactly.
+
+* ``archive.charge``: early acks (Celery's default);
+* ``archive.charge_late``: late acks, a failed task's message acked after it ran;
+* ``archive.charge_rejected``: late acks, a failed task's message rejected
+  (``acks_on_failure_or_timeout=False``);
+* ``archive.retried``: retried twice on :class:`Declined`, then failed for good;
+* ``archive.crash``: late acks without ``reject_on_worker_lost``: kills its own process,
+  and Celery's main process fails it (``WorkerLostError``).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Any
+
+import psycopg
+from celery import Celery
+from celery_apps import celery_app
+from psycopg import sql
+
+
+class Declined(Exception):
+    """What every task here raises until its gate is open."""
+
+
+def create_tables(conn: psycopg.Connection, schema: str) -> None:
+    """The gate and runs tables in ``schema`` (which must exist)."""
+    conn.execute(
+        sql.SQL("CREATE TABLE {} (name text PRIMARY KEY)").format(sql.Identifier(schema, "gate"))
+    )
+    conn.execute(
+        sql.SQL(
+            "CREATE TABLE {} (run bigint GENERATED ALWAYS AS IDENTITY, task_id text, "
+            "label text, retries integer)"
+        ).format(sql.Identifier(schema, "runs"))
+    )
+
+
+def open_gate(conn: psycopg.Connection, schema: str, name: str) -> None:
+    conn.execute(
+        sql.SQL("INSERT INTO {} (name) VALUES (%s)").format(sql.Identifier(schema, "gate")),
+        (name,),
+    )
+
+
+def make_app(dsn: str, schema: str, *, keep_failed: bool = True) -> Celery:
+    app = celery_app(
+        dsn,
+        schema,
+        main="archive",
+        conf={"pgqueue_keep_failed": keep_failed, "worker_hijack_root_logger": True},
+    )
+
+    def run(task: Any, label: str) -> str:
+        """Write the run down; fail unless gate ``label`` is open."""
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute(
+                sql.SQL("INSERT INTO {} (task_id, label, retries) VALUES (%s, %s, %s)").format(
+                    sql.Identifier(schema, "runs")
+                ),
+                (task.request.id, label, task.request.retries),
+            )
+            gate = sql.SQL("SELECT 1 FROM {} WHERE name = %s").format(
+                sql.Identifier(schema, "gate")
+            )
+            if conn.execute(gate, (label,)).fetchone() is None:
+                raise Declined(f"card declined: {label}")
+        return f"paid {label}"
+
+    @app.task(name="archive.charge", bind=True, shared=False)
+    def charge(self: Any, label: str, amount: int, *, currency: str = "EUR") -> str:
+        return run(self, label) + f" {amount} {currency}"
+
+    @app.task(name="archive.charge_late", bind=True, shared=False, acks_late=True)
+    def charge_late(self: Any, label: str, amount: int, *, currency: str = "EUR") -> str:
+        return run(self, label) + f" {amount} {currency}"
+
+    @app.task(
+        name="archive.charge_rejected",
+        bind=True,
+        shared=False,
+        acks_late=True,
+        acks_on_failure_or_timeout=False,
+    )
+    def charge_rejected(self: Any, label: str, amount: int, *, currency: str = "EUR") -> str:
+        return run(self, label) + f" {amount} {currency}"
+
+    @app.task(
+        name="archive.retried",
+        bind=True,
+        shared=False,
+        autoretry_for=(Declined,),
+        max_retries=2,
+        default_retry_delay=0,
+    )
+    def retried(self: Any, label: str) -> str:
+        return run(self, label)
+
+    @app.task(
+        name="archive.crash",
+        bind=True,
+        shared=False,
+        acks_late=True,
+        reject_on_worker_lost=False,
+    )
+    def crash(self: Any, label: str) -> str:
+        try:
+            return run(self, label)
+        except Declined:
+            os.kill(os.getpid(), signal.SIGKILL)
+            raise
+
+    return app
+
+
+def __getattr__(name: str) -> Any:
+    # built on first use, so the tests import the helpers without a worker's environment
+    if name == "app":
+        keep = os.environ.get("PGQUEUE_KEEP_FAILED", "1") != "0"
+        built = make_app(os.environ["PGQUEUE_DSN"], os.environ["PGQUEUE_SCHEMA"], keep_failed=keep)
+        globals()["app"] = built
+        return built
+    raise AttributeError(name)

@@ -1,0 +1,106 @@
+"""Fixtures of the failed-task archive tests: the schema with its gate and runs tables,
+a client app, and real ``celery -A archive_app worker`` processes (prefork)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from archive_app import create_tables, make_app
+from celery import Celery
+from waiting import Process, wait_for
+
+import kombu_pgqueue
+
+HERE = Path(__file__).resolve().parent
+
+
+def worker_env(dsn: str, schema: str, **settings: Any) -> dict[str, str]:
+    """The environment of ``celery -A archive_app ...``; ``settings`` are ``PGQUEUE_*``
+    variables without the prefix, in lower case (``keep_failed=0``)."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(
+            [str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")]
+        ).rstrip(os.pathsep),
+        "PGQUEUE_DSN": dsn,
+        "PGQUEUE_SCHEMA": schema,
+    }
+    env.update({f"PGQUEUE_{key.upper()}": str(value) for key, value in settings.items()})
+    return env
+
+
+@pytest.fixture
+def client(dsn: str, schema: str, db: psycopg.Connection) -> Iterator[Celery]:
+    """The app that sends the tasks and reads their results; the schema and its tables
+    exist before any worker starts."""
+    kombu_pgqueue.migrate(dsn, schema)
+    create_tables(db, schema)
+    app = make_app(dsn, schema)
+    try:
+        yield app
+    finally:
+        app.close()
+
+
+@pytest.fixture
+def spawn(dsn: str, schema: str, tmp_path: Path) -> Iterator[Callable[..., Process]]:
+    """``spawn(name, **settings)``: a prefork worker of 2 processes on queue ``celery``,
+    consuming once this returns; killed with its pool at the end of the test."""
+    started: list[Process] = []
+
+    def spawn(name: str, **settings: Any) -> Process:
+        log_path = tmp_path / f"worker-{name}.log"
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(
+                [
+                    sys.executable, "-m", "celery", "-A", "archive_app", "worker",
+                    "-n", f"{name}@%h", "-P", "prefork", "-c", "2", "-Q", "celery",
+                    "-l", "info", "--without-mingle", "--without-gossip", "--without-heartbeat",
+                ],
+                cwd=HERE,
+                env=worker_env(dsn, schema, **settings),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )  # fmt: skip
+        worker = Process(name, proc, log_path)
+        started.append(worker)
+        wait_for(lambda: worker.says(" ready."), 60, f"worker {name} to start", worker)
+        return worker
+
+    try:
+        yield spawn
+    finally:
+        for worker in started:
+            try:  # the pool's children too
+                os.killpg(worker.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            worker.proc.wait(timeout=10)
+
+
+@pytest.fixture
+def cli(dsn: str, schema: str) -> Callable[..., subprocess.CompletedProcess[str]]:
+    """``cli(*args)``: ``celery -A archive_app pgqueue ARGS`` as a user runs it."""
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        done = subprocess.run(
+            [sys.executable, "-m", "celery", "-A", "archive_app", "pgqueue", *args],
+            cwd=HERE,
+            env=worker_env(dsn, schema),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 0, (args, done.stdout, done.stderr)
+        return done
+
+    return run
