@@ -4,6 +4,11 @@ The ledger is one object with a lock, shared by the thread that delivers (and ac
 the lease keeper's thread, which renews everything held, and close, which releases it.
 Kombu's own QoS keeps its unacked messages in a dict that only the consuming thread may
 touch; nothing here reads it. Acks go to the ack batcher (or straight to the store).
+
+The deliveries of atomic tasks (:mod:`kombu_pgqueue.atomic`) are acked by the task's own
+transaction when it commits; the worker's ack that follows finds the row gone. Those acks
+go to a batcher of their own that does not call that late, and one that the task's
+process says it committed (threads and solo pools) sends nothing at all.
 """
 
 from __future__ import annotations
@@ -13,7 +18,9 @@ import threading
 from collections.abc import Iterable
 from typing import Protocol
 
-from . import _counters, codec
+import psycopg
+
+from . import _counters, atomic, codec
 from ._acks import AckBatcher
 from ._leases import LeaseKeeper
 from ._options import Options
@@ -53,6 +60,7 @@ class Ledger:
         """Stop holding ``tag``; return its (id, lease)."""
         with self._lock:
             self._held.pop(tag, None)
+        atomic.forget(tag)
         return codec.parse_tag(tag)
 
     def settle_all(self, tags: Iterable[str]) -> list[tuple[int, int]]:
@@ -70,8 +78,28 @@ class Ledger:
             return list(self._held.values())
 
 
+class AtomicAcks(AckBatcher):
+    """Acks of atomic tasks' deliveries, batched apart from the others: most find their
+    row deleted by the task's own commit, which is no late ack. One that finds a row
+    still there (the task failed and rolled back, and Celery acks a failure) deletes it."""
+
+    def flush(self) -> int:
+        with self._lock:
+            if not self._ids:
+                return 0
+            ids, leases = self._ids, self._leases
+            self._ids, self._leases = [], []
+        try:
+            done = self.store.ack_many(ids, leases)
+        except psycopg.OperationalError:
+            self.store.check_pool()  # as AckBatcher.flush: once more on a fresh connection
+            done = self.store.ack_many(ids, leases)
+        logger.debug("pgqueue: %d of %d acks of atomic tasks deleted a row", done, len(ids))
+        return done
+
+
 class Held:
-    """What one consumer holds unacked, with its lease keeper and ack batcher."""
+    """What one consumer holds unacked, with its lease keeper and ack batchers."""
 
     def __init__(self, store: Store, options: Options) -> None:
         self.store = store
@@ -80,6 +108,8 @@ class Held:
         self.settle_all = self._ledger.settle_all
         self._keeper = LeaseKeeper(store, self._ledger.held, options.renewal_interval)
         self.acks: AckBatcher | None = AckBatcher(store) if options.batch_acks else None
+        #: the acks of atomic tasks' deliveries
+        self.atomic_acks: AckBatcher | None = AtomicAcks(store) if options.batch_acks else None
         #: after close: acks go straight to the store
         self.closed = False
         #: tag -> why its body could not be decoded: its ack dead-letters it instead
@@ -87,8 +117,9 @@ class Held:
 
     def use_store(self, store: Store) -> None:
         self.store = self._keeper.store = store
-        if self.acks is not None:
-            self.acks.store = store
+        for batcher in (self.acks, self.atomic_acks):
+            if batcher is not None:
+                batcher.store = store
 
     def keep_leases(self) -> None:
         self._keeper.start()
@@ -109,10 +140,14 @@ class Held:
         if error is not None:
             self.bury(tag, "undecodable", error)
             return
+        kind = atomic.take(tag)
         message_id, lease = self.settle(tag)
         _counters.add("acked")
-        if self.acks is not None and not self.closed:
-            self.acks.add(message_id, lease)
+        if kind == "committed":
+            return  # the task's transaction deleted the row
+        acks = self.acks if kind is None else self.atomic_acks
+        if acks is not None and not self.closed:
+            acks.add(message_id, lease)
             return
         # closed by a reconnect (the database restarted), but a task that finishes
         # afterwards still acks: send it directly, and if the database cannot take it,
@@ -126,7 +161,7 @@ class Held:
                 exc,
             )
             return
-        if not done:
+        if not done and kind is None:
             logger.warning(
                 "pgqueue: ack of message %s came after its lease ended; it may run again",
                 message_id,
@@ -209,11 +244,13 @@ class Held:
 
     def flush_acks(self) -> None:
         """Send pending acks now, so what is read next reflects them."""
-        if self.acks is not None:
-            self.acks.flush()
+        for batcher in (self.acks, self.atomic_acks):
+            if batcher is not None:
+                batcher.flush()
 
     def close(self) -> None:
         self.closed = True
-        if self.acks is not None:
-            self.acks.stop()
+        for batcher in (self.acks, self.atomic_acks):
+            if batcher is not None:
+                batcher.stop()
         self._keeper.stop()

@@ -1,0 +1,358 @@
+"""Atomic deliveries: the ack of a delivery as a statement of the application's transaction.
+
+A consumer that does its work in the broker's database can make that work and its ack
+one commit: inside its own transaction it deletes the delivery's message row, fenced by
+the delivery's lease as every ack is, then commits. If the delete finds no row, the
+lease was lost (it ended, and another delivery holds the message): the consumer rolls
+back, and its writes vanish with the ack that would have covered them.
+
+.. code-block:: python
+
+    fence = Fence.from_connection(kombu_connection)
+    delivery = Delivery.from_properties(message.properties)
+    with psycopg.connect(fence.conninfo) as conn:   # a transaction, committed at the end
+        conn.execute("INSERT INTO effects ...")
+        if not fence.ack(fence.enlist(conn), delivery):
+            conn.rollback()                          # not ours any more: no effects
+
+:class:`Psycopg`, :class:`SQLAlchemy` and :class:`Django` open such a transaction on a
+connection of the worker's, a SQLAlchemy ``Session`` or ``Connection``, or Django's
+connection; :class:`celery_pgqueue.AtomicTask` is built on all this. The worker still
+acks the message the ordinary way afterwards, and that ack finds the row gone. The
+consumer is told which deliveries may end so (:func:`expect`, when they are received)
+and does not warn about them as late acks; in the process that committed (Celery's
+threads and solo pools), :func:`committed` tells it that the ack has nothing left to
+do, and it sends nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+import psycopg
+from kombu.connection import Connection
+
+from . import _errors, _pool, _sql, codec
+from ._options import Options
+from .exceptions import ConfigurationError
+from .transactions import Database, Enlisted, enlist
+
+__all__ = [
+    "Delivery",
+    "Django",
+    "Fence",
+    "Psycopg",
+    "SQLAlchemy",
+    "Transaction",
+    "TransactionSource",
+    "committed",
+    "expect",
+    "forget",
+    "take",
+]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Delivery:
+    """One delivery of a message: its row's id and the lease that fences its ack."""
+
+    message_id: int
+    lease: int
+
+    @property
+    def tag(self) -> str:
+        """Kombu's delivery tag of it."""
+        return codec.delivery_tag(self.message_id, self.lease)
+
+    @classmethod
+    def from_properties(cls, properties: Mapping[str, Any] | None) -> Delivery | None:
+        """The delivery of a pgqueue message's Kombu ``properties`` (Celery passes them to
+        the task as ``self.request.properties``); None when they are not a pgqueue
+        delivery. A message taken without ack (lease 0) is gone already: no delivery to
+        fence, and :class:`ConfigurationError` says so."""
+        if not properties:
+            return None
+        info = properties.get("delivery_info") or {}
+        tag = properties.get("delivery_tag")
+        if tag is None or "pgqueue_id" not in info:
+            return None
+        message_id, lease = codec.parse_tag(str(tag))
+        if not lease:
+            raise ConfigurationError(
+                f"message {message_id} of queue {info.get('pgqueue_queue')!r} was taken "
+                "without ack (no_ack): it left the queue when it was delivered, so there "
+                "is no ack to commit with the work. Consume it with acks"
+            )
+        return cls(message_id=message_id, lease=lease)
+
+
+class Fence:
+    """Acks inside the application's transaction, for one broker schema.
+
+    Statements go through :class:`~kombu_pgqueue.transactions.Enlisted` (the runner of
+    :func:`kombu_pgqueue.transaction`), so a psycopg 3 connection, a SQLAlchemy
+    ``Session`` or ``Connection`` and Django's connection all work.
+    """
+
+    def __init__(self, conninfo: str, options: Options) -> None:
+        #: the broker's libpq connection string
+        self.conninfo = conninfo
+        self.options = options
+        self._q = _sql.queries(options.schema)
+        self._database: Database | None = None
+
+    @classmethod
+    def from_connection(cls, connection: Connection) -> Fence:
+        """The fence of a Kombu connection's broker (Celery: ``app.connection_for_write()``)."""
+        from .admin import Broker
+
+        broker = Broker.from_connection(connection)
+        return cls(broker.conninfo, broker.options)
+
+    @property
+    def schema(self) -> str:
+        return self.options.schema
+
+    def broker_database(self, *, fresh: bool = False) -> Database:
+        """The broker's database and server, read once per fence (again when ``fresh``).
+
+        On a plain connection of its own rather than the broker's pool: a process that
+        only runs atomic tasks (a prefork pool child) would otherwise open a pool, and
+        keep its connection, for this one statement.
+        """
+        if fresh or self._database is None:
+            with _pool.connect(self.conninfo, self.options) as conn:
+                row = conn.execute(self._q["database_identity"]).fetchone()
+            if row is None:
+                raise ConfigurationError("the broker's server did not say which database it is")
+            self._database = Database.from_row(row)
+        return self._database
+
+    def enlist(self, conn: Any, *, check: bool = True) -> Enlisted:
+        """Statements through ``conn``'s transaction, once ``conn`` is known to reach the
+        broker's database (unless ``check`` is False: a connection opened from
+        :attr:`conninfo`). Raises :class:`ConfigurationError` naming both databases."""
+        enlisted = enlist(conn)
+        if check:
+            with self._translated("database_identity"):
+                enlisted._check_database(
+                    self.schema, self._q["database_identity"], self.broker_database
+                )
+        return enlisted
+
+    def ack(self, enlisted: Enlisted, delivery: Delivery) -> bool:
+        """Delete ``delivery``'s row in the enlisted transaction; False when its lease
+        was lost. The caller commits, or rolls back on False."""
+        params = {"id": delivery.message_id, "lease": delivery.lease}
+        with self._translated("ack_in_transaction"):
+            return bool(enlisted.rows(self.schema, self._q["ack_in_transaction"], params))
+
+    def holder(self, enlisted: Enlisted, delivery: Delivery) -> str:
+        """Where ``delivery``'s message is now, in words (after :meth:`ack` found nothing)."""
+        params = {"id": delivery.message_id, "now": None}
+        with self._translated("delivery_holder"):
+            rows = enlisted.rows(self.schema, self._q["delivery_holder"], params)
+        if not rows:
+            return "it is gone (acked by another delivery, purged or expired)"
+        leased, attempts, live = rows[0]
+        if leased and live:
+            return f"another delivery holds it (attempt {attempts})"
+        return f"it waits for another delivery (attempt {attempts} so far)"
+
+    def _translated(self, name: str) -> Any:
+        return _errors.translated(
+            name, self.schema, lambda: _pool.forget_schema(self.conninfo, self.schema)
+        )
+
+
+# -- where the work is done: what an atomic task's self.db is ------------------------
+
+
+class Transaction(Protocol):
+    """One transaction of a :class:`TransactionSource`; ``handle`` is what the work
+    uses (an atomic task's ``self.db``)."""
+
+    handle: Any
+
+    def commit(self) -> None: ...
+
+    def rollback(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class TransactionSource(Protocol):
+    """Where an atomic consumer's transactions run (an atomic task's ``atomic_db``)."""
+
+    #: whether its connections must be checked to reach the broker's database
+    checks: bool
+
+    def begin(self, fence: Fence) -> Transaction: ...
+
+
+# -- psycopg ---------------------------------------------------------------------------------
+
+
+class Psycopg:
+    """``self.db`` is a psycopg 3 connection of the worker's, one per thread and process,
+    opened from the broker's connection string (or ``conninfo``), kept between tasks."""
+
+    def __init__(self, conninfo: str | None = None, **connect_kwargs: Any) -> None:
+        self.conninfo = conninfo
+        self.connect_kwargs = connect_kwargs
+        self.checks = conninfo is not None
+        self._local = threading.local()
+
+    def begin(self, fence: Fence) -> Transaction:
+        conn: psycopg.Connection[Any] | None = getattr(self._local, "conn", None)
+        if conn is None or conn.closed or conn.broken or self._local.pid != os.getpid():
+            # a pool child never touches its parent's connection (after fork): a new one
+            conn = psycopg.connect(self.conninfo or fence.conninfo, **self.connect_kwargs)
+            self._local.conn, self._local.pid = conn, os.getpid()
+        return _PsycopgTransaction(conn)
+
+
+class _PsycopgTransaction:
+    def __init__(self, conn: psycopg.Connection[Any]) -> None:
+        self.handle = conn
+
+    def commit(self) -> None:
+        self.handle.commit()
+
+    def rollback(self) -> None:
+        if not self.handle.closed:
+            self.handle.rollback()
+
+    def close(self) -> None:
+        conn = self.handle
+        if conn.broken:
+            conn.close()  # the next transaction connects afresh
+        elif not conn.closed and conn.info.transaction_status != _IDLE:
+            conn.rollback()
+
+
+_IDLE = psycopg.pq.TransactionStatus.IDLE
+
+
+# -- SQLAlchemy -----------------------------------------------------------------------------
+
+
+class SQLAlchemy:
+    """``self.db`` is a ``Session`` of ``bind`` (a ``sessionmaker``, or any callable that
+    returns a ``Session``) or a ``Connection`` of ``bind`` (an ``Engine``), in a
+    transaction; closed after the attempt. Any PostgreSQL driver with ``%(name)s``
+    parameters (psycopg 3, psycopg2)."""
+
+    checks = True
+
+    def __init__(self, bind: Any) -> None:
+        self.bind = bind
+
+    def begin(self, fence: Fence) -> Transaction:
+        is_engine = hasattr(self.bind, "dialect") and hasattr(self.bind, "connect")
+        handle = self.bind.connect() if is_engine else self.bind()
+        handle.begin()
+        return _SQLAlchemyTransaction(handle)
+
+
+class _SQLAlchemyTransaction:
+    def __init__(self, handle: Any) -> None:
+        self.handle = handle
+
+    def commit(self) -> None:
+        self.handle.commit()
+
+    def rollback(self) -> None:
+        self.handle.rollback()
+
+    def close(self) -> None:
+        self.handle.close()  # rolls back what is still open
+
+
+# -- Django --------------------------------------------------------------------------------
+
+
+class Django:
+    """``self.db`` is Django's connection ``using``, inside ``transaction.atomic(using)``:
+    the ORM's writes are the transaction's, ``atomic()`` blocks in the body are savepoints
+    and ``transaction.on_commit()`` callbacks run after the commit."""
+
+    checks = True
+
+    def __init__(self, using: str = "default") -> None:
+        self.using = using
+
+    def begin(self, fence: Fence) -> Transaction:
+        from django.db import connections, transaction
+
+        block = transaction.atomic(using=self.using)
+        block.__enter__()
+        return _DjangoTransaction(connections[self.using], block, self.using)
+
+
+class _DjangoTransaction:
+    def __init__(self, handle: Any, block: Any, using: str) -> None:
+        self.handle, self._block, self._using = handle, block, using
+        self._open = True
+
+    def commit(self) -> None:
+        self._open = False
+        self._block.__exit__(None, None, None)  # commits, or rolls back and raises
+
+    def rollback(self) -> None:
+        if self._open:
+            from django.db import transaction
+
+            self._open = False
+            transaction.set_rollback(True, using=self._using)
+            self._block.__exit__(None, None, None)
+
+    def close(self) -> None:
+        self.rollback()
+
+
+# -- what the consumer is told ------------------------------------------------------------
+
+_lock = threading.Lock()
+#: tags of atomic deliveries this process consumes, and those its tasks committed
+_expected: set[str] = set()
+_committed: set[str] = set()
+
+
+def expect(tag: str) -> None:
+    """The delivery ``tag`` goes to an atomic task: its ack may find the row gone."""
+    with _lock:
+        _expected.add(tag)
+
+
+def committed(tag: str) -> None:
+    """A task of this process committed the ack of ``tag``; a pool child of another
+    process (prefork) says nothing: its parent never expected the tag here."""
+    with _lock:
+        if tag in _expected:
+            _committed.add(tag)
+
+
+def take(tag: str) -> Literal["committed", "atomic"] | None:
+    """What the consumer's ack of ``tag`` has to do: nothing ("committed"), delete the
+    row if it is still there ("atomic"), or ack as usual (None)."""
+    if tag not in _expected:  # the common case, without the lock
+        return None
+    with _lock:
+        _expected.discard(tag)
+        if tag in _committed:
+            _committed.discard(tag)
+            return "committed"
+    return "atomic"
+
+
+def forget(tag: str) -> None:
+    """``tag`` was settled otherwise (rejected, released, restored)."""
+    if tag in _expected:
+        with _lock:
+            _expected.discard(tag)
+            _committed.discard(tag)

@@ -1,0 +1,177 @@
+"""The Celery app of the atomic-task tests, in-process and in ``celery worker`` processes.
+
+``celery -A atomic_app worker`` builds it from the environment (see :func:`worker_env`):
+``ATOMIC_DSN``, ``ATOMIC_SCHEMA`` and transport options as ``ATOMIC_<OPTION>``.
+
+Tables, in the test's schema (:func:`create_tables`):
+
+* ``effect``: what the tasks' transactions write, one row per committed effect, with a
+  plain INSERT and no unique key, so an effect applied twice shows as two rows.
+* ``attempt``: every start of a task body, written on a connection of its own in
+  autocommit, so it shows attempts whose transaction rolled back.
+* ``gate``: a task given a gate waits, inside its transaction, until the test opens it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import psycopg
+from celery import Celery
+from celery_apps import celery_app
+from psycopg import sql
+from waiting import wait_for
+
+from celery_pgqueue.atomic import AtomicTask
+
+#: how long a task waits for its gate before giving up (it must never outlive a test)
+GATE_LIMIT = 60.0
+
+
+class Boom(Exception):
+    """Raised by a task body on purpose."""
+
+
+def create_tables(conn: psycopg.Connection, schema: str) -> None:
+    for statement in (
+        "CREATE TABLE {}.effect (key text NOT NULL, task_id text NOT NULL, "
+        "at timestamptz NOT NULL DEFAULT clock_timestamp())",
+        "CREATE TABLE {}.attempt (key text NOT NULL, task_id text NOT NULL, pid int NOT NULL, "
+        "retries int NOT NULL, at timestamptz NOT NULL DEFAULT clock_timestamp())",
+        "CREATE TABLE {}.gate (name text PRIMARY KEY)",
+    ):
+        conn.execute(sql.SQL(statement).format(sql.Identifier(schema)))
+
+
+def open_gate(conn: psycopg.Connection, schema: str, name: str) -> None:
+    conn.execute(
+        sql.SQL("INSERT INTO {} (name) VALUES (%s) ON CONFLICT DO NOTHING").format(
+            sql.Identifier(schema, "gate")
+        ),
+        (name,),
+    )
+
+
+def worker_env(dsn: str, schema: str, **options: Any) -> dict[str, str]:
+    """The environment of a ``celery -A atomic_app worker`` process; ``options`` are
+    transport options (``visibility_timeout=2``)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    tests = os.path.dirname(here)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([here, tests, os.path.dirname(tests)]),
+        "ATOMIC_DSN": dsn,
+        "ATOMIC_SCHEMA": schema,
+    }
+    for key, value in options.items():
+        env[f"ATOMIC_{key.upper()}"] = str(value)
+    return env
+
+
+_FLOATS = ("visibility_timeout", "lease_renewal_interval", "polling_interval")
+
+
+def make_app(dsn: str, schema: str, **options: Any) -> Celery:
+    app = celery_app(
+        dsn,
+        schema,
+        main="atomic",
+        conf={"task_ignore_result": False, "worker_hijack_root_logger": True},
+        **options,
+    )
+    effect_table = sql.Identifier(schema, "effect")
+    attempt_table = sql.Identifier(schema, "attempt")
+    gate_table = sql.Identifier(schema, "gate")
+
+    def attempt(task: Any, key: str) -> None:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute(
+                sql.SQL(
+                    "INSERT INTO {} (key, task_id, pid, retries) VALUES (%s, %s, %s, %s)"
+                ).format(attempt_table),
+                (key, task.request.id or "", os.getpid(), task.request.retries or 0),
+            )
+
+    def wait_gate(name: str) -> None:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            query = sql.SQL("SELECT 1 FROM {} WHERE name = %s").format(gate_table)
+            wait_for(lambda: conn.execute(query, (name,)).fetchone(), GATE_LIMIT, f"gate {name}")
+
+    def write(task: Any, key: str) -> None:
+        task.db.execute(
+            sql.SQL("INSERT INTO {} (key, task_id) VALUES (%s, %s)").format(effect_table),
+            (key, task.request.id or ""),
+        )
+
+    @app.task(bind=True, base=AtomicTask, name="atomic.effect", shared=False)
+    def effect(
+        self: Any,
+        key: str,
+        gate: str | None = None,
+        fail: bool = False,
+        follow: str | None = None,
+    ) -> str:
+        """Write ``key``; then send ``effect(follow)``, wait for ``gate``, raise if ``fail``."""
+        attempt(self, key)
+        write(self, key)
+        if follow:
+            effect.delay(follow)
+        if gate:
+            wait_gate(gate)
+        if fail:
+            raise Boom(key)
+        return key
+
+    @app.task(bind=True, base=AtomicTask, name="atomic.retrying", shared=False)
+    def retrying(self: Any, key: str) -> str:
+        """Write ``key#<retries>``; the first attempt asks for a retry."""
+        attempt(self, key)
+        write(self, f"{key}#{self.request.retries}")
+        if self.request.retries == 0:
+            raise self.retry(countdown=0)
+        return key
+
+    @app.task(
+        bind=True,
+        base=AtomicTask,
+        name="atomic.autoretry",
+        shared=False,
+        autoretry_for=(Boom,),
+        max_retries=3,
+        default_retry_delay=0,
+    )
+    def autoretry(self: Any, key: str) -> str:
+        """Write ``key#<retries>``; raise Boom (retried by Celery) on the first attempt."""
+        attempt(self, key)
+        write(self, f"{key}#{self.request.retries}")
+        if self.request.retries == 0:
+            raise Boom(key)
+        return key
+
+    @app.task(bind=True, base=AtomicTask, name="atomic.replaced", shared=False)
+    def replaced(self: Any, key: str) -> None:
+        """Write ``key``, then replace itself by ``effect(key + '-replacement')``."""
+        attempt(self, key)
+        write(self, key)
+        raise self.replace(effect.si(f"{key}-replacement"))
+
+    return app
+
+
+def app_from_environment(env: Mapping[str, str] = os.environ) -> Celery:
+    options: dict[str, Any] = {}
+    for name in _FLOATS:
+        value = env.get(f"ATOMIC_{name.upper()}")
+        if value:
+            options[name] = float(value)
+    return make_app(env["ATOMIC_DSN"], env["ATOMIC_SCHEMA"], **options)
+
+
+def __getattr__(name: str) -> Any:
+    # built on first use: `celery -A atomic_app` looks up `app`
+    if name == "app":
+        globals()["app"] = built = app_from_environment()
+        return built
+    raise AttributeError(name)

@@ -1,0 +1,185 @@
+"""The broker side of atomic tasks, without Celery: the ack inside the application's
+transaction (statement ``ack_in_transaction``), the check that the connection reaches the
+broker's database, and the consumer's own ack that comes after (``kombu_pgqueue.atomic``)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from datetime import datetime
+
+import psycopg
+import pytest
+from psycopg import sql
+
+from kombu_pgqueue import ConfigurationError, atomic
+from kombu_pgqueue._ledger import Held
+from kombu_pgqueue._sql import queries
+from kombu_pgqueue._store import Outgoing, Store, new_lease
+from kombu_pgqueue.admin import parse_options
+from kombu_pgqueue.atomic import Delivery, Fence
+
+Later = Callable[[float], datetime]
+
+
+def _claimed(store: Store, queue: str = "q", now: datetime | None = None) -> Delivery:
+    store.publish(Outgoing(queue=queue, body=b"x", headers="{}", properties="{}"))
+    lease = new_lease()
+    [row] = store.claim(queue, 1, lease, now=now)
+    return Delivery(message_id=row.id, lease=lease)
+
+
+@pytest.fixture
+def fence(dsn: str, store: Store) -> Fence:
+    return Fence(dsn, parse_options({"schema": store.schema}))
+
+
+@pytest.fixture
+def app_conn(dsn: str) -> Iterator[psycopg.Connection]:
+    """The application's connection: not autocommit, a transaction per block."""
+    with psycopg.connect(dsn) as conn:
+        yield conn
+
+
+def _count(db: psycopg.Connection, schema: str) -> int:
+    row = db.execute(sql.SQL("SELECT count(*) FROM {}.message").format(sql.Identifier(schema)))
+    return int(row.fetchone()[0])  # type: ignore[index]
+
+
+def test_ack_in_transaction_commits_with_the_work(store, fence, app_conn, db, schema):
+    delivery = _claimed(store)
+    assert fence.ack(fence.enlist(app_conn), delivery)
+    # deleted, not committed: every other session still sees the message, held by its lease
+    assert _count(db, schema) == 1
+    app_conn.commit()
+    assert _count(db, schema) == 0
+
+
+def test_ack_in_transaction_rolled_back_leaves_the_delivery_as_it_was(
+    store, fence, app_conn, db, schema
+):
+    delivery = _claimed(store)
+    assert fence.ack(fence.enlist(app_conn), delivery)
+    app_conn.rollback()
+    assert _count(db, schema) == 1
+    assert store.ack(delivery.message_id, delivery.lease)  # still this delivery's
+
+
+def test_ack_in_transaction_finds_no_row_when_the_lease_was_lost(
+    store, fence, app_conn, later: Later
+):
+    first = _claimed(store)
+    # the first lease ran out; another consumer has the message now
+    [again] = store.claim("q", 1, new_lease(), now=later(61))
+    enlisted = fence.enlist(app_conn)
+    assert not fence.ack(enlisted, first)
+    assert fence.holder(enlisted, first) == "another delivery holds it (attempt 2)"
+
+
+def test_delivery_holder_says_when_the_message_is_gone(store, fence, app_conn):
+    delivery = _claimed(store)
+    assert store.ack(delivery.message_id, delivery.lease)
+    enlisted = fence.enlist(app_conn)
+    assert not fence.ack(enlisted, delivery)
+    assert fence.holder(enlisted, delivery).startswith("it is gone")
+
+
+def test_enlist_refuses_a_connection_to_another_database(fence, other_database_dsn, dsn):
+    with psycopg.connect(other_database_dsn) as elsewhere:
+        with pytest.raises(ConfigurationError, match="cannot span two databases") as raised:
+            fence.enlist(elsewhere)
+        fence.enlist(elsewhere, check=False)  # a connection opened from fence.conninfo
+    # both databases are named
+    assert f"database {psycopg.conninfo.conninfo_to_dict(dsn).get('dbname')!r}" in str(raised.value)
+
+
+def test_delivery_from_properties():
+    properties = {"delivery_tag": "12.345", "delivery_info": {"pgqueue_id": 12}}
+    assert Delivery.from_properties(properties) == Delivery(message_id=12, lease=345)
+    assert Delivery.from_properties(properties).tag == "12.345"  # type: ignore[union-attr]
+    # another broker's message, or none
+    assert Delivery.from_properties({"delivery_tag": "abc", "delivery_info": {}}) is None
+    assert Delivery.from_properties(None) is None
+    with pytest.raises(ConfigurationError, match="without ack"):
+        Delivery.from_properties({"delivery_tag": "12.0", "delivery_info": {"pgqueue_id": 12}})
+
+
+def test_ack_in_transaction_and_delivery_holder_use_the_primary_key(store, db, schema):
+    store.publish_many(
+        [Outgoing(queue="q", body=b"x", headers="{}", properties="{}") for _ in range(5000)]
+    )
+    db.execute(sql.SQL("ANALYZE {}.message").format(sql.Identifier(schema)))
+    for name, params in [
+        ("ack_in_transaction", {"id": 42, "lease": 7}),
+        ("delivery_holder", {"id": 42, "now": None}),
+    ]:
+        query = sql.SQL("EXPLAIN (FORMAT JSON) ") + queries(schema)[name]
+        with db.transaction(force_rollback=True):
+            [[plan]] = db.execute(query, params).fetchone()  # type: ignore[misc]
+        text = str(plan)
+        assert "Seq Scan" not in text and "message_pkey" in text, (name, plan)
+
+
+# -- the consumer's ack after the task's commit ------------------------------------------
+
+
+@pytest.fixture(params=[True, False], ids=["batched", "direct"])
+def held(request: pytest.FixtureRequest, store: Store, dsn: str) -> Iterator[Held]:
+    options = parse_options({"schema": store.schema, "batch_acks": request.param})
+    held = Held(Store(dsn, options), options)
+    yield held
+    held.close()
+
+
+def test_ack_after_an_atomic_commit_is_no_late_ack(
+    held, store, fence, app_conn, db, schema, caplog
+):
+    delivery = _claimed(store)
+    held.hold(delivery.tag)
+    atomic.expect(delivery.tag)  # a worker received it for an atomic task
+    assert fence.ack(fence.enlist(app_conn), delivery)
+    app_conn.commit()  # in a pool child: the consumer's process does not know
+    with caplog.at_level(logging.DEBUG, logger="kombu_pgqueue"):
+        held.ack(delivery.tag)
+        held.flush_acks()
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert _count(db, schema) == 0
+
+
+def test_ack_of_a_failed_atomic_task_deletes_the_row(held, store, db, schema):
+    """The task rolled back and Celery acks the failure: the row must go."""
+    delivery = _claimed(store)
+    held.hold(delivery.tag)
+    atomic.expect(delivery.tag)
+    held.ack(delivery.tag)
+    held.flush_acks()
+    assert _count(db, schema) == 0
+
+
+def test_ack_committed_in_this_process_sends_nothing(held, store, db, schema):
+    delivery = _claimed(store)
+    held.hold(delivery.tag)
+    atomic.expect(delivery.tag)
+    atomic.committed(delivery.tag)  # a thread of this process committed it (threads, solo)
+    held.ack(delivery.tag)
+    held.flush_acks()
+    # nothing was sent: had the task not deleted the row, it would still be there
+    assert _count(db, schema) == 1
+
+
+def test_other_late_acks_are_still_warned_about(held, store, caplog):
+    delivery = _claimed(store)
+    held.hold(delivery.tag)
+    assert store.ack(delivery.message_id, delivery.lease)  # gone, and not by an atomic task
+    with caplog.at_level(logging.WARNING, logger="kombu_pgqueue"):
+        held.ack(delivery.tag)
+        held.flush_acks()
+    assert any("lease ended" in r.getMessage() for r in caplog.records)
+
+
+def test_a_rejected_atomic_delivery_is_forgotten(held, store):
+    delivery = _claimed(store)
+    held.hold(delivery.tag)
+    atomic.expect(delivery.tag)
+    held.reject(delivery.tag, requeue=True)
+    assert atomic.take(delivery.tag) is None
