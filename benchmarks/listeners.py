@@ -23,7 +23,9 @@ statement) for a window, once as shipped and once with the statement's ``pg_noti
 replaced by NULL (``scale.strip_notify``: what "notify only when it can matter" would
 give when nobody waits for the queue), alternating which goes first; the message table is
 truncated between windows. Then 8 publisher processes, both ways, with 1 and 200
-listening sessions (the cluster-wide lock is held across each commit's WAL flush).
+listening sessions (the cluster-wide lock is held across each commit's WAL flush); and
+one publisher with 200 sessions that listen on another channel, which nobody notifies
+(what one channel per queue would give: PostgreSQL 15 signals them all the same).
 
 Server CPU per publish = CPU-seconds of the cluster's processes (the postmaster, its
 children, and children reaped during the window) / publishes. Listener CPU per publish =
@@ -54,6 +56,8 @@ CHUNKS = (1, 49, 75, 75, 100, 100, 100)  # cumulative: 1, 50, 125, 200, 300, 400
 #: listening sessions with which 8 publishers are measured
 MANY_AT = (1, 200)
 MANY = 8
+#: sessions that listen on a channel nobody notifies (PostgreSQL 15 signals them all the same)
+OTHER = 200
 MAX_CONNECTIONS = 600
 TICK = os.sysconf("SC_CLK_TCK")
 
@@ -92,6 +96,16 @@ for _n in MANY_AT:
         "msg/s",
         "higher",
     )
+LISTENER_FIGURES[f"lst_other_{OTHER}"] = (
+    f"Publish, {OTHER} listening on another channel",
+    "msg/s",
+    "higher",
+)
+LISTENER_FIGURES[f"lst_cpu_other_{OTHER}"] = (
+    f"Server CPU per publish, {OTHER} listening on another channel",
+    "us",
+    "lower",
+)
 
 
 # -- the cluster -------------------------------------------------------------------------------
@@ -232,13 +246,16 @@ def _measure(
     c: Any, fleet: Fleet, lst: Listeners, seconds: float, notify: bool, schema: str
 ) -> tuple[Window, float, float, int]:
     """One window: (what the fleet did, server CPU-s, listeners' CPU-s, missed notifications)."""
+    from kombu_pgqueue._options import notify_channel
+
+    fleet_channel = notify_channel(schema)
     _truncate(c.dsn, schema)
     had = lst.received()
     cpu0, client0 = server_cpu(str(c.datadir)), proc_cpu(lst.pids())
     w = fleet.run(seconds, notify)
     cpu1, client1 = server_cpu(str(c.datadir)), proc_cpu(lst.pids())
     missed = 0
-    if notify:
+    if notify and lst.channel == fleet_channel:
         # the listeners may lag the publishers: give them a moment to read what was sent
         want = had + lst.count * (w.published + 20 * len(fleet.procs))
         deadline = time.monotonic() + 10
@@ -303,6 +320,20 @@ def bench_listeners(ctx: Ctx) -> dict[str, list[float]]:
                                 f"server {cpu / w.published * 1e6:6.0f} us per publish"
                             )
                 put("lst_ratio_200", out["lst_rate_200"][-1] / out["lst_rate_1"][-1])
+                # the same sessions on a channel of their own: what per-queue channels give
+                lst.resize(0)
+                other = Listeners(c.dsn, f"{schema}_other.notify")
+                try:
+                    other.resize(OTHER)
+                    w, cpu, _, _ = _measure(c, one, other, seconds, True, schema)
+                finally:
+                    other.close()
+                put(f"lst_other_{OTHER}", w.rate)
+                put(f"lst_cpu_other_{OTHER}", cpu / w.published * 1e6)
+                log(
+                    f"    {OTHER} listening on another channel, NOTIFY: {w.rate:7.0f} msg/s, "
+                    f"server {cpu / w.published * 1e6:6.0f} us per publish"
+                )
         finally:
             one.close()
             if many is not None:
