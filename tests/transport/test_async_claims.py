@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import logging
 import select
+import socket
+import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import psycopg
@@ -217,11 +220,116 @@ def test_a_wakeup_during_a_short_claim_keeps_the_queue_pending(
     assert how == ["sent", "sent"]
 
 
-def _locked(dsn: str, schema: str) -> psycopg.Connection:
-    """A session holding the message table's strongest lock: claims wait behind it."""
+@contextmanager
+def _locked(dsn: str, schema: str) -> Iterator[psycopg.Connection]:
+    """A session holding the message table's strongest lock: claims wait behind it.
+
+    The lock is gone when the block ends: rolled back, not only closed (a closed
+    session's server process releases its locks when it gets to it, and a claim sent
+    meanwhile, with a statement timeout of 100 ms on a loaded machine, could wait
+    for them long enough to be cancelled).
+    """
     holder = psycopg.connect(dsn)
-    holder.execute(f'LOCK TABLE "{schema}".message IN ACCESS EXCLUSIVE MODE')
-    return holder
+    try:
+        holder.execute(f'LOCK TABLE "{schema}".message IN ACCESS EXCLUSIVE MODE')
+        yield holder
+        holder.rollback()
+    finally:
+        holder.close()
+
+
+class _AnswerSplitter:
+    """A TCP proxy to the test server that holds back one session's ReadyForQuery.
+
+    PostgreSQL sends (and flushes) an ErrorResponse as soon as a statement fails, and
+    the ReadyForQuery that ends the answer after it: a claimer's socket can be readable
+    while only the error has arrived. Here that moment lasts until :meth:`release`.
+    Clients must connect with ``sslmode=disable`` and ``gssencmode=disable``.
+    """
+
+    def __init__(self, dsn: str) -> None:
+        with psycopg.connect(dsn) as conn:
+            host, port = conn.info.host, conn.info.port
+        self._upstream: tuple[int, Any] = (
+            (socket.AF_UNIX, f"{host}/.s.PGSQL.{port}")
+            if host.startswith("/")
+            else (socket.AF_INET, (host, port))
+        )
+        self._lock = threading.Lock()
+        self._hold_pid: int | None = None
+        self._held: list[bytes] = []
+        self._release = threading.Event()
+        #: set once the held session's ReadyForQuery is held back
+        self.holding = threading.Event()
+        self._sockets: list[socket.socket] = []
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port: int = self._listener.getsockname()[1]
+        threading.Thread(target=self._accept, name="answer-splitter", daemon=True).start()
+
+    def hold_ready_for(self, backend_pid: int) -> None:
+        with self._lock:
+            self._hold_pid = backend_pid
+
+    def release(self) -> None:
+        self._release.set()
+
+    def close(self) -> None:
+        self._release.set()
+        for sock in [self._listener, *self._sockets]:
+            try:
+                sock.close()
+            except OSError:
+                pass
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            server = socket.socket(self._upstream[0], socket.SOCK_STREAM)
+            server.connect(self._upstream[1])
+            self._sockets += [client, server]
+            threading.Thread(target=self._pump, args=(client, server), daemon=True).start()
+            threading.Thread(target=self._answers, args=(server, client), daemon=True).start()
+
+    @staticmethod
+    def _pump(source: socket.socket, target: socket.socket) -> None:
+        try:
+            while data := source.recv(65536):
+                target.sendall(data)
+        except OSError:
+            pass
+
+    def _answers(self, server: socket.socket, client: socket.socket) -> None:
+        buffer, pid, holding = b"", 0, False
+        try:
+            while data := server.recv(65536):
+                buffer += data
+                forward = b""
+                while len(buffer) >= 5:
+                    (length,) = struct.unpack("!I", buffer[1:5])
+                    if len(buffer) < 1 + length:
+                        break
+                    message, buffer = buffer[: 1 + length], buffer[1 + length :]
+                    kind = message[:1]
+                    if kind == b"K":  # BackendKeyData: this session's server process
+                        pid = struct.unpack("!I", message[5:9])[0]
+                    with self._lock:
+                        hold = pid == self._hold_pid and not self._release.is_set()
+                    if hold and (holding or kind == b"Z"):
+                        holding = True
+                        self._held.append(message)
+                        self.holding.set()
+                        continue
+                    forward += message
+                if forward:
+                    client.sendall(forward)
+                if holding and self._release.wait(30):
+                    client.sendall(b"".join(self._held))
+                    self._held, holding = [], False
+        except OSError:
+            pass
 
 
 @pytest.mark.usefixtures("busy")
@@ -233,15 +341,12 @@ def test_a_claim_whose_connection_dies_raises_in_the_loop_and_keeps_the_queue_pe
     Consumer(conn, [Queue("cte")], callbacks=[lambda b, m: m.ack()]).consume()
     claimer = consumer.claimer
     assert claimer is not None
-    holder = _locked(dsn, schema)
-    try:
+    with _locked(dsn, schema):
         consumer.pending.add("cte")
         consumer.deliver_pending()  # the claim waits for the lock, in the database
         assert "cte" in consumer.in_flight
         db.execute("SELECT pg_terminate_backend(%s)", (claimer.backend_pid,))
         _claim_returned(conn)
-    finally:
-        holder.close()
 
     with pytest.raises(psycopg.OperationalError, match="administrator command"):
         hub.run_until(lambda: False, 5)  # the loop reads the error, then the closed socket
@@ -259,19 +364,64 @@ def test_a_claim_that_fails_in_the_database_raises_in_the_loop_and_the_next_one_
     conn.transport.register_with_event_loop(conn.connection, hub)
     consumer = conn.transport.consumer
     got = _consume(conn, "ctq", 1)
-    holder = _locked(dsn, schema)
-    try:
+    with _locked(dsn, schema):
         consumer.pending.add("ctq")
         consumer.deliver_pending()
+        # the whole answer: the error comes first, its end after (see the next test)
         with pytest.raises(psycopg.errors.QueryCanceled):  # the statement timeout's
             _take_answer(conn, "ctq")
-    finally:
-        holder.close()
     assert got == [] and consumer.in_flight == frozenset()
     assert "ctq" in consumer.pending
 
     hub.run_until(lambda: got == [0, 1], 10)  # the same connection claims again
     assert got == [0, 1]
+
+
+@pytest.mark.usefixtures("busy")
+def test_a_claim_error_read_before_the_end_of_its_answer_is_raised_when_the_answer_ends(
+    hub: Hub, dsn: str, schema: str, url_with: Callable[..., str], transport_options: Any
+) -> None:
+    # The test above once failed with DID NOT RAISE under load: it read the answer once,
+    # when the socket turned readable, and the server flushes an ErrorResponse before
+    # the ReadyForQuery that ends the answer. Here the end is held back on purpose.
+    proxy = _AnswerSplitter(dsn)
+    conn = Connection(
+        url_with(host="127.0.0.1", port=str(proxy.port)),
+        transport_options={
+            **transport_options,
+            **QUIET,
+            "sslmode": "disable",
+            "gssencmode": "disable",
+            "options": "-c statement_timeout=100",
+        },
+    )
+    try:
+        _fill(conn, "ctp", 1)
+        conn.transport.register_with_event_loop(conn.connection, hub)
+        consumer = conn.transport.consumer
+        claimer = consumer.claimer
+        assert claimer is not None
+        got = _consume(conn, "ctp", 1)
+        proxy.hold_ready_for(claimer.backend_pid)
+        with _locked(dsn, schema):
+            consumer.pending.add("ctp")
+            consumer.deliver_pending()
+            assert proxy.holding.wait(10), "the claim's answer never ended"
+            _claim_returned(conn)  # readable: the error is in, its end is not
+
+            consumer.on_claimed()  # nothing to raise or deliver yet: the claim goes on
+            assert "ctp" in consumer.in_flight
+
+            proxy.release()
+            with pytest.raises(psycopg.errors.QueryCanceled):
+                _take_answer(conn, "ctp")
+        assert consumer.in_flight == frozenset() and "ctp" in consumer.pending
+
+        hub.run_until(lambda: got == [0], 10)  # and the connection is usable
+        assert got == [0]
+    finally:
+        conn.release()
+        proxy.close()
 
 
 @pytest.mark.usefixtures("busy")
