@@ -10,16 +10,18 @@ runs them again with their task id (their result is then overwritten), and ``dea
 --older-than 7d`` trims them.
 
 The ``task_failure`` signal does it, in the process that ran the task (the prefork
-pool's child), by one statement (:meth:`kombu_pgqueue.admin.Broker.bury_failed`). It
-knows the delivery (message id and lease) from the task's request. With late acks the
+pool's child; the worker's main process for a lost pool process or a hard time limit),
+by one statement (:meth:`kombu_pgqueue.admin.Broker.bury_failed`). It knows the
+delivery (message id and lease) from the task's request. With late acks the
 stored message is still held: it is copied and the worker's ack deletes it, or, when the
 worker rejects failed tasks (``task_acks_on_failure_or_timeout=False``), it is moved.
 With early acks the message is gone: it is written again from the request, in the
 task's serializer. Either way the letter has the message's id and the same content.
 
 Not kept: tasks that ``Retry`` (not a failure), that raise ``Reject`` (the broker
-buries or requeues the message itself), eager calls, and tasks killed by a hard time
-limit (Celery signals those in the worker's main process, which has no request to read).
+buries or requeues the message itself), eager calls, and failures whose message Celery
+requeues (a lost worker with ``reject_on_worker_lost``, a time limit with late acks and
+``acks_on_timeout`` off), for which it sends no ``task_failure`` with a request.
 """
 
 from __future__ import annotations
@@ -169,13 +171,9 @@ def keep_failed(
     if getattr(request, "is_eager", False) or isinstance(exception, Reject):
         return
     if request.id != task_id:
-        logger.warning(
-            "pgqueue: task %s[%s] failed (%s) where its request cannot be read (a hard "
-            "time limit); it is not kept in the dead letters",
-            task.name,
-            task_id,
-            error_text(exception),
-        )
+        # a hard time limit's first signal, sent with no request: the main process sends
+        # another with it when it settles the message, unless it requeues the message
+        logger.debug("pgqueue: task %s[%s] failed with no request to read", task.name, task_id)
         return
     try:
         found = failure(task, request, exception, einfo)

@@ -12,19 +12,24 @@ to the ``runs`` table first, so the tests count executions exactly.
   (``acks_on_failure_or_timeout=False``);
 * ``archive.retried``: retried twice on :class:`Declined`, then failed for good;
 * ``archive.crash``: late acks without ``reject_on_worker_lost``: kills its own process,
-  and Celery's main process fails it (``WorkerLostError``).
+  and Celery's main process fails it (``WorkerLostError``);
+* ``archive.slow``: runs into its hard time limit (1 s), which the main process enforces.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import threading
 from typing import Any
 
 import psycopg
 from celery import Celery
 from celery_apps import celery_app
 from psycopg import sql
+
+#: longer than any test waits: a task that waits this long is killed by its time limit
+SLOW_SECONDS = 120.0
 
 
 class Declined(Exception):
@@ -116,6 +121,14 @@ def make_app(dsn: str, schema: str, *, keep_failed: bool = True) -> Celery:
             return run(self, label)
         except Declined:
             os.kill(os.getpid(), signal.SIGKILL)
+            raise
+
+    @app.task(name="archive.slow", bind=True, shared=False, time_limit=1)
+    def slow(self: Any, label: str) -> str:
+        try:
+            return run(self, label)
+        except Declined:
+            threading.Event().wait(SLOW_SECONDS)
             raise
 
     return app

@@ -52,17 +52,17 @@ def client(dsn: str, schema: str, db: psycopg.Connection) -> Iterator[Celery]:
 
 @pytest.fixture
 def spawn(dsn: str, schema: str, tmp_path: Path) -> Iterator[Callable[..., Process]]:
-    """``spawn(name, **settings)``: a prefork worker of 2 processes on queue ``celery``,
+    """``spawn(name, concurrency=2, **settings)``: a prefork worker on queue ``celery``,
     consuming once this returns; killed with its pool at the end of the test."""
     started: list[Process] = []
 
-    def spawn(name: str, **settings: Any) -> Process:
+    def spawn(name: str, concurrency: int = 2, **settings: Any) -> Process:
         log_path = tmp_path / f"worker-{name}.log"
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(
                 [
                     sys.executable, "-m", "celery", "-A", "archive_app", "worker",
-                    "-n", f"{name}@%h", "-P", "prefork", "-c", "2", "-Q", "celery",
+                    "-n", f"{name}@%h", "-P", "prefork", "-c", str(concurrency), "-Q", "celery",
                     "-l", "info", "--without-mingle", "--without-gossip", "--without-heartbeat",
                 ],
                 cwd=HERE,

@@ -1,10 +1,11 @@
 """Tasks that fail for good stay in the broker (``pgqueue_keep_failed``), on real workers.
 
 A prefork ``celery worker`` process runs tasks that fail until a gate opens, with early
-acks, late acks (the message acked, or rejected, after the failure), retries, and a pool
-process that dies (Celery's main process fails the task). Each one's message becomes a
-dead letter with reason ``failed``, the same whichever way it was settled, and
-``celery pgqueue dead requeue`` runs it again with its task id, which updates its result.
+acks, late acks (the message acked, or rejected, after the failure), retries, a pool
+process that dies and a hard time limit (Celery's main process fails those two). Each
+one's message becomes a dead letter with reason ``failed``, the same whichever way it
+was settled, and ``celery pgqueue dead requeue`` runs it again with its task id, which
+updates its result.
 """
 
 from __future__ import annotations
@@ -111,17 +112,19 @@ def test_failed_tasks_are_kept_whatever_settles_them_and_run_again_with_their_id
     )
     retried = client.tasks["archive.retried"].delay("retried")
     crashed = client.tasks["archive.crash"].delay("crashed")
+    slow = client.tasks["archive.slow"].delay("slow")
+    everything = (early, late, rejected, retried, crashed, slow)
     sent = stored(db, schema)
-    assert len(sent) == 5
+    assert len(sent) == 6
 
     worker = spawn("w1")
-    letters = {json.loads(d.headers)["id"]: d for d in failed(broker, 5)}
+    letters = {json.loads(d.headers)["id"]: d for d in failed(broker, 6)}
 
-    assert sorted(letters) == sorted(r.id for r in (early, late, rejected, retried, crashed))
+    assert sorted(letters) == sorted(r.id for r in everything)
     assert {d.reason for d in letters.values()} == {"failed"}
     # each message is settled once (the acks that follow a failure come in batches)
     wait_for(lambda: table(db, schema, "message") == [], 30, "every message settled")
-    for result in (early, late, rejected, crashed):
+    for result in (early, late, rejected, crashed, slow):
         letter = letters[result.id]
         assert (letter.id, letter.attempts) == (sent[result.id]["id"], 1)
         # early acks: rebuilt from the task's request, as the message was sent
@@ -157,9 +160,11 @@ def test_failed_tasks_are_kept_whatever_settles_them_and_run_again_with_their_id
     assert letters[crashed.id].error.startswith(
         "billiard.exceptions.WorkerLostError: Worker exited prematurely"
     )
-    assert [d.reason for d in broker.dead_letters(limit=None)] == ["failed"] * 5
+    # the main process killed it at its hard time limit
+    assert letters[slow.id].error == "billiard.exceptions.TimeLimitExceeded: TimeLimitExceeded(1,)"
+    assert [d.reason for d in broker.dead_letters(limit=None)] == ["failed"] * 6
 
-    for result in (early, late, rejected, retried, crashed):
+    for result in everything:
         assert client.AsyncResult(result.id).state == "FAILURE"
     log = worker.log()
     assert "acks came after their lease ended" not in log
@@ -172,6 +177,7 @@ def test_failed_tasks_are_kept_whatever_settles_them_and_run_again_with_their_id
         (rejected.id, "archive.charge_rejected", 0),
         (retried.id, "archive.retried", 2),
         (crashed.id, "archive.crash", 0),
+        (slow.id, "archive.slow", 0),
     }
     assert {d["argsrepr"] for d in listed if d["task_id"] == early.id} == {"('card', 10)"}
     assert json.loads(cli("dead", "list", "--reason", "rejected", "--json").stdout) == []
@@ -179,22 +185,23 @@ def test_failed_tasks_are_kept_whatever_settles_them_and_run_again_with_their_id
     assert shown["traceback"] == early_letter.traceback
     assert shown["error"] == early_letter.error
 
-    for label in ("card", "retried", "crashed"):
+    for label in ("card", "retried", "crashed", "slow"):
         open_gate(db, schema, label)
     done = cli("dead", "requeue", "--all", "--reason", "failed")
-    assert done.stdout.strip() == "requeued 5 dead letters into celery"
+    assert done.stdout.strip() == "requeued 6 dead letters into celery"
 
     def results() -> dict[str, Any]:
-        found = {r.id: client.AsyncResult(r.id) for r in (early, late, rejected, retried, crashed)}
+        found = {r.id: client.AsyncResult(r.id) for r in everything}
         return {i: r.result for i, r in found.items() if r.state == "SUCCESS"}
 
-    values = wait_for(lambda: len(results()) == 5 and results(), 60, "the requeued tasks", worker)
+    values = wait_for(lambda: len(results()) == 6 and results(), 60, "the requeued tasks", worker)
     assert values == {
         early.id: "paid card 10 USD",
         late.id: "paid card 10 USD",
         rejected.id: "paid card 10 USD",
         retried.id: "paid retried",
         crashed.id: "paid crashed",
+        slow.id: "paid slow",
     }
     assert broker.dead_letters(limit=None) == []
     again = [r for r in table(db, schema, "runs", order="run") if r["run"] > runs[-1]["run"]]
@@ -207,9 +214,10 @@ def test_failed_tasks_are_not_kept_without_the_setting(client, broker, spawn, db
     failing = client.tasks["archive.charge"].delay("nope", 1)
     failing_late = client.tasks["archive.charge_late"].delay("nope", 1)
     open_gate(db, schema, "after")
-    after = client.tasks["archive.charge"].delay("after", 1)  # runs once the others are done
+    after = client.tasks["archive.charge"].delay("after", 1)
 
-    spawn("off", keep_failed=0)
+    # one pool process: the last task starts once the others' failures are handled
+    spawn("off", concurrency=1, keep_failed=0)
 
     wait_for(lambda: client.AsyncResult(after.id).state == "SUCCESS", 60, "the last task")
     wait_for(lambda: table(db, schema, "message") == [], 30, "every message settled")
