@@ -17,12 +17,13 @@ from __future__ import annotations
 from typing import Any
 
 import kombu_pgqueue  # noqa: F401 - registers the pgqueue:// transport alias
+from kombu_pgqueue import __version__  # one distribution, one version
 from kombu_pgqueue.admin import conninfo
 from kombu_pgqueue.embedded import broker_url
 
 from . import archive
 
-__all__ = ["broker_url", "configure", "result_backend_url"]
+__all__ = ["__version__", "broker_url", "configure", "result_backend_url"]
 
 
 def result_backend_url(dsn: str) -> str:
