@@ -14,6 +14,7 @@ import psycopg
 import pytest
 from psycopg import sql
 
+from kombu_pgqueue._sql import queries
 from kombu_pgqueue._store import Store, new_lease
 from kombu_pgqueue.admin import Broker, Failure, Outgoing
 
@@ -178,3 +179,50 @@ def test_purge_dead_older_than_counts_from_when_they_died(broker, store, later):
     assert broker.purge_dead("other", older_than=week, now=later(8 * 86400)) == 0
     assert broker.purge_dead(older_than=week, now=later(8 * 86400)) == 1
     assert broker.dead_letters() == []
+
+
+def test_archive_statements_reach_rows_by_index(db, schema, broker):
+    """On a month of 20,000 dead letters and as many messages, analyzed: a failure reads
+    its message by key, a listing by reason and a trim of the oldest read the indexes of
+    migration 0006 (EXPLAIN as the store sends them, sequential scans allowed)."""
+    broker.migrate()
+    table = sql.Identifier(schema, "dead_letter")
+    db.execute(
+        sql.SQL(
+            """
+            INSERT INTO {} (id, queue, priority, attempts, reason, created_at, died_at,
+                            body, headers, properties)
+            SELECT i, 'q', 0, 1, (ARRAY['failed', 'rejected', 'max_attempts'])[i % 3 + 1],
+                   now(), now() - make_interval(secs => i * 130), '', '{{}}', '{{}}'
+            FROM generate_series(1, 20000) AS i
+            """
+        ).format(table)
+    )
+    broker.publish_many([replace(STORED, dedup_key=None)] * 20000)
+    db.execute(sql.SQL("ANALYZE {}").format(table))
+    db.execute(sql.SQL("ANALYZE {}").format(sql.Identifier(schema, "message")))
+
+    def plan(name: str, params: dict[str, object]) -> list[dict[str, object]]:
+        query = sql.SQL("EXPLAIN (FORMAT JSON) ") + queries(schema)[name]
+        row = db.execute(query, params).fetchone()
+        assert row is not None
+        found, nodes = [row[0][0]["Plan"]], []
+        while found:
+            node = found.pop()
+            nodes.append(node)
+            found.extend(node.get("Plans", []))
+        return nodes
+
+    bury = failure(123, 42, move=True).params()
+    listing = {"queue": None, "reason": "failed", "limit": 50}
+    trim = {"queue": None, "reason": None, "older_than": 29 * 86400.0, "now": None}
+    by_age = {"dead_letter_reason_idx", "dead_letter_died_idx"}
+    for name, params, indexes in [
+        ("bury_failed", bury, {"message_pkey"}),
+        # the oldest first: by reason, or in died_at order until 50 of the reason
+        ("dead_letters_where", listing, by_age),
+        ("purge_dead_where", trim, by_age),
+    ]:
+        nodes = plan(name, params)
+        assert [n for n in nodes if n["Node Type"] == "Seq Scan"] == [], name
+        assert indexes & {n.get("Index Name") for n in nodes}, name
