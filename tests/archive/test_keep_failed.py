@@ -241,16 +241,27 @@ def threads_app(dsn: str, schema: str, client: Celery) -> Iterator[Celery]:
     app.close()
 
 
-def test_configure_keep_failed_keeps_tasks_of_an_in_process_threads_worker(threads_app, broker):
+def test_configure_keep_failed_keeps_tasks_of_an_in_process_threads_worker(
+    threads_app, broker, db, schema
+):
     assert threads_app.conf.pgqueue_keep_failed is True
-    with start_worker(threads_app, pool="threads", concurrency=2, perform_ping_check=False):
-        result = threads_app.tasks["threads.fail"].delay("missing")
-        (letter,) = failed(broker, 1)
+    fail = threads_app.tasks["threads.fail"]
+    plain = fail.delay("missing")
+    packed = fail.apply_async(("packed",), compression="zlib")
+    sent = stored(db, schema)
 
-    assert json.loads(letter.headers)["id"] == result.id
+    with start_worker(threads_app, pool="threads", concurrency=2, perform_ping_check=False):
+        letters = {json.loads(d.headers)["id"]: d for d in failed(broker, 2)}
+
+    letter = letters[plain.id]
     assert letter.error == "KeyError: 'missing'"
     assert letter.traceback is not None and "raise KeyError(label)" in letter.traceback
-    assert threads_app.AsyncResult(result.id).state == "FAILURE"
+    assert threads_app.AsyncResult(plain.id).state == "FAILURE"
+    # early acks: rebuilt from the request, compressed as it was sent
+    for result in (plain, packed):
+        assert bytes(letters[result.id].body) == bytes(sent[result.id]["body"])
+        assert letters[result.id].headers == sent[result.id]["headers"]
+    assert json.loads(letters[packed.id].headers)["compression"] == "application/x-gzip"
 
 
 def test_eager_calls_are_not_kept(threads_app, broker):
