@@ -235,7 +235,7 @@ def _warn_unknown(keys: Iterable[str]) -> None:
     """Warn once per process about an option pgqueue does not know, naming the closest."""
     known = [f.name for f in fields(Options)] + ["libpq", "async_claims"]
     for key in keys:
-        if key in _warned or key in FOREIGN_OPTIONS or key in LIBPQ_KEYWORDS:
+        if key in known or key in _warned or key in FOREIGN_OPTIONS or key in LIBPQ_KEYWORDS:
             continue
         _warned.add(key)
         close = difflib.get_close_matches(key, known, n=1, cutoff=0.75)

@@ -162,7 +162,9 @@ class Store:
                     f"the database at {conn.info.host}:{conn.info.port} did not answer "
                     f"within {timeout:g} s (transport option statement_timeout): the server "
                     "hangs, the network dropped, or a commit waits for a synchronous "
-                    "standby; the connection was closed"
+                    "standby; the connection was closed. A write may have committed on the "
+                    "server before that (Kombu's retry of a Celery task publish is not queued "
+                    "twice: see dedup_task_ids)"
                 ) from exc
 
     def translated(self, name: str) -> AbstractContextManager[None]:

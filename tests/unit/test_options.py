@@ -375,6 +375,14 @@ def test_a_misspelled_option_warns_once_naming_the_closest_one(
     assert repr(typo) in warned[0] and repr(meant) in warned[0]
 
 
+def test_valid_options_are_not_warned_about(caplog: pytest.LogCaptureFixture) -> None:
+    valid = {"schema": "s", "visibility_timeout": 9, "statement_timeout": 3, "sslmode": "off"}
+    with caplog.at_level(logging.WARNING, logger="kombu_pgqueue"):
+        parse_options({**valid, "polling_interval": 1, "libpq": {}, "async_claims": True})
+
+    assert caplog.records == []
+
+
 def test_options_of_kombu_and_other_brokers_are_ignored_without_a_guess(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
