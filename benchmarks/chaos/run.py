@@ -4,8 +4,8 @@
     python -m benchmarks.chaos [scenario ...] [--tasks N] [--minutes M] [--quick]
     python benchmarks/chaos/run.py kill --tasks 5000    # from the repo root: the same
 
-Scenarios: kill, long, dbrestart, listenkill, poison, load, snapshot, failover (default:
-all).
+Scenarios: kill, long, dbrestart, listenkill, poison, load, snapshot, failover, atomic
+(default: all).
 The exit status is 0 when every scenario passed.
 """
 
@@ -26,11 +26,21 @@ if __package__ in (None, ""):  # run as a file: hand over to `python -m benchmar
         sys.exit(f"run it from the repository root {_root}: python -m benchmarks.chaos ...")
     os.execv(sys.executable, [sys.executable, "-m", "benchmarks.chaos", *sys.argv[1:]])
 
-from benchmarks.chaos import celery_scenarios, failover, kombu_scenarios, procs  # noqa: E402
+from benchmarks.chaos import atomic, celery_scenarios, failover, kombu_scenarios, procs  # noqa: E402
 from benchmarks.chaos.context import Context, Result  # noqa: E402
 
 DEFAULT_DSN = "postgresql://postgres@127.0.0.1:5432/test"
-SCENARIOS = ["kill", "long", "dbrestart", "listenkill", "poison", "load", "snapshot", "failover"]
+SCENARIOS = [
+    "kill",
+    "long",
+    "dbrestart",
+    "listenkill",
+    "poison",
+    "load",
+    "snapshot",
+    "failover",
+    "atomic",
+]
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -45,7 +55,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         metavar="scenario",
         help=f"any of {', '.join(SCENARIOS)} (default: all)",
     )
-    parser.add_argument("--tasks", type=int, help="tasks for kill, dbrestart, poison, failover")
+    parser.add_argument(
+        "--tasks", type=int, help="tasks for kill, dbrestart, poison, failover, atomic"
+    )
     parser.add_argument("--minutes", type=float, help="duration of load, and of the open snapshot")
     parser.add_argument(
         "--quick", action="store_true", help="everything small: a few minutes in all"
@@ -83,6 +95,8 @@ def run_one(ctx: Context, name: str, args: argparse.Namespace) -> Result:
             result = kombu_scenarios.snapshot(ctx, args.vacuum_every)
         elif name == "failover":
             result = failover.failover(ctx)
+        elif name == "atomic":
+            result = atomic.atomic(ctx)
         else:
             result = getattr(celery_scenarios, name)(ctx)
     except Exception:  # noqa: BLE001 - one broken scenario must not hide the others

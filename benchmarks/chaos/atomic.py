@@ -1,0 +1,256 @@
+"""Chaos scenario ``atomic``: exactly-once effects of atomic tasks under SIGKILLs.
+
+N tasks (``--tasks``; default 20,000, quick 2,000; the issue's full run is 100,000) of
+``chaos.atomic``, a :class:`celery_pgqueue.AtomicTask` that inserts one row keyed by its
+task id into ``<schema>.effect`` with a plain INSERT (no unique key, no ON CONFLICT), on
+2 prefork workers x 3 processes. Every 2-3 s a random worker loses its main process
+(30 %, then its orphaned pool children a second later, and a new worker is started) or
+a pool child. Pass: every published task has exactly one effect row, 0 lost, every
+repeated execution explained by a kill, no worker exits by itself.
+
+The workers run ``celery -A benchmarks.chaos.atomic worker``: the app of
+:mod:`benchmarks.chaos.app` (its ledger, ``acks_late``) with the atomic task added. Each
+execution writes its start to the ledger in autocommit, as every chaos task does, and its
+end through ``self.db``: the end, the effect and the ack commit together, so "executed"
+means committed, and an execution cut short by a kill has no end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from celery_pgqueue.atomic import AtomicTask
+
+from . import ledger, procs
+from .app import LedgerWriter, make_app
+from .celery_scenarios import _publish_bulk, _wait_drained
+from .context import Context, Result, Run
+
+#: SIGKILLs come every KILL_EVERY seconds, at random within
+KILL_EVERY = (2.0, 3.0)
+WORKERS, CONCURRENCY, PREFETCH = 2, 3, 4
+
+
+def make_atomic_app(dsn: str, schema: str, run: str, options: dict[str, Any], prefetch: int) -> Any:
+    """The chaos app with ``chaos.atomic``: one effect row per committed execution."""
+    app = make_app(dsn, schema, run, options, prefetch)
+    writer = LedgerWriter(dsn, run)
+    effect = sql.SQL("INSERT INTO {} (task_id) VALUES (%s)").format(
+        sql.Identifier(schema, "effect")
+    )
+    finish = sql.SQL("UPDATE {} SET finished_at = clock_timestamp() WHERE run_id = %s").format(
+        writer.exec_table
+    )
+
+    @app.task(bind=True, base=AtomicTask, name="chaos.atomic", shared=False)
+    def atomic(self: Any, seconds: float = 0.0) -> None:
+        run_id = writer.start(self.request.id, self.request.hostname or "")
+        self.db.execute(effect, (self.request.id,))
+        if seconds:
+            time.sleep(seconds)
+        self.db.execute(finish, (run_id,))
+
+    return app
+
+
+class AtomicFleet(procs.Fleet):
+    """A :class:`procs.Fleet` whose workers run this module's app."""
+
+    def spawn(self) -> procs.Worker:
+        self.started += 1
+        name = f"w{self.started}"
+        log_path = self.logs / f"{self.run}-{name}.log"
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(
+                filter(None, [str(procs.ROOT), os.environ.get("PYTHONPATH")])
+            ),
+            "CHAOS_DSN": self.dsn,
+            "CHAOS_SCHEMA": self.schema,
+            "CHAOS_RUN": self.run,
+            "CHAOS_OPTIONS": json.dumps(self.options),
+            "CHAOS_PREFETCH": str(self.prefetch),
+        }
+        command = [sys.executable, "-m", "celery", "-A", __name__, "worker", "-n", f"{name}@chaos"]
+        command += ["-P", "prefork", "-c", str(self.concurrency), "-Q", "celery", "-l", "warning"]
+        command += ["--without-mingle", "--without-gossip", "--without-heartbeat"]
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(
+                command,
+                cwd=procs.ROOT,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        worker = procs.Worker(f"{name}@chaos", proc, log_path)
+        self.workers.append(worker)
+        return worker
+
+
+def _effect_counts(conn: psycopg.Connection, schema: str, run_id: str) -> dict[str, int]:
+    """How many published tasks have 0, 1 or more effect rows, and effects of no task."""
+    row = conn.execute(
+        sql.SQL(
+            """
+            WITH per_task AS (
+                SELECT p.task_id, count(e.task_id) AS effects
+                FROM {published} AS p
+                LEFT JOIN {effect} AS e ON e.task_id = p.task_id
+                GROUP BY p.task_id
+            )
+            SELECT
+                count(*) FILTER (WHERE effects = 0),
+                count(*) FILTER (WHERE effects = 1),
+                count(*) FILTER (WHERE effects > 1),
+                (SELECT count(*) FROM {effect} AS e
+                 WHERE NOT EXISTS (SELECT 1 FROM {published} AS p WHERE p.task_id = e.task_id))
+            FROM per_task
+            """
+        ).format(
+            published=ledger.tables(run_id)["published"], effect=sql.Identifier(schema, "effect")
+        )
+    ).fetchone()
+    assert row is not None
+    return dict(zip(("none", "once", "twice", "stray"), (int(v) for v in row)))
+
+
+def atomic(ctx: Context) -> Result:
+    n = ctx.tasks or (2000 if ctx.quick else 20_000)
+    rng = random.Random(11)
+    with ctx.run("atomic") as run, run.connect() as conn:
+        conn.execute(
+            sql.SQL("CREATE TABLE {} (task_id text NOT NULL)").format(
+                sql.Identifier(run.schema, "effect")
+            )
+        )
+        options = {"visibility_timeout": 10, "polling_interval": 2}
+        fleet = AtomicFleet(
+            ctx.url_dsn, run.schema, run.run_id, ctx.logs, options, CONCURRENCY, PREFETCH
+        )
+        run.fleets.append(fleet)
+        for _ in range(WORKERS):
+            fleet.spawn()
+        app = run.app()
+        specs = [("chaos.atomic", (_work_seconds(rng),)) for _ in range(n)]
+        publisher = _publish_bulk(run, app, specs)
+        kills = _Killer(run, conn, fleet, rng)
+        drained = _wait_drained(run, conn, publisher, timeout=max(600, n / 20), tick=kills.tick)
+        fleet.stop()
+        fig = ledger.analyse(conn, run.run_id, run.schema)
+        effects = _effect_counts(conn, run.schema, run.run_id)
+        late = sum(w.log_tail(10**7).count("lease ended") for w in fleet.workers)
+        ok = (
+            drained
+            and fig.ok()
+            and effects["once"] == n
+            and effects["twice"] == effects["none"] == effects["stray"] == 0
+            and not kills.counts["crashed"]
+        )
+        result = Result("atomic", ok, fig, seconds=run.elapsed())
+        result.measures += [
+            ("tasks", n),
+            ("tasks with exactly one effect row", effects["once"]),
+            ("effects applied twice", effects["twice"]),
+            ("tasks without their effect", effects["none"]),
+            ("effect rows of no published task", effects["stray"]),
+            ("SIGKILLs of main processes", kills.counts["main"]),
+            ("SIGKILLs of pool children", kills.counts["child"]),
+            ("workers that exited by themselves", kills.counts["crashed"]),
+            ("workers started", fleet.started),
+            ("'lease ended' warnings (late acks)", late),
+            ("drained (no message left)", drained),
+        ]
+        return result
+
+
+def _work_seconds(rng: random.Random) -> float:
+    # mostly short tasks, some long enough that a kill often lands in their transaction
+    return rng.uniform(0.0, 0.01) if rng.random() < 0.95 else rng.uniform(0.2, 1.0)
+
+
+class _Killer:
+    """Every 2-3 s, SIGKILL a pool child (70 %) or a main process of a ready worker."""
+
+    def __init__(
+        self, run: Run, conn: psycopg.Connection, fleet: AtomicFleet, rng: random.Random
+    ) -> None:
+        self.run, self.conn, self.fleet, self.rng = run, conn, fleet, rng
+        self.counts = {"main": 0, "child": 0, "crashed": 0}
+        self.next_kill = time.monotonic() + rng.uniform(*KILL_EVERY)
+
+    def tick(self) -> None:
+        run_id = self.run.run_id
+        for worker in list(self.fleet.workers):
+            if getattr(worker, "reaped", False) or not worker.broken():
+                continue
+            worker.reaped = True  # type: ignore[attr-defined]
+            worker.kill_group()
+            ledger.record_event(self.conn, run_id, "crash", worker.name, worker.proc.pid)
+            self.counts["crashed"] += 1
+            print(f"    worker {worker.name} exited by itself:\n{worker.log_tail(1500)}")
+            self.fleet.spawn()
+        if time.monotonic() < self.next_kill:
+            return
+        self.next_kill = time.monotonic() + self.rng.uniform(*KILL_EVERY)
+        ready = {
+            r[0]
+            for r in self.conn.execute(
+                sql.SQL("SELECT worker FROM {} WHERE kind = 'ready'").format(
+                    ledger.tables(run_id)["event"]
+                )
+            )
+        }
+        # only workers that are up: a pool child killed while billiard starts the pool
+        # makes Celery give up ("Could not start worker processes")
+        live = [w for w in self.fleet.live() if w.name in ready]
+        if not live:
+            return
+        worker = self.rng.choice(live)
+        children = worker.children()
+        if self.rng.random() < 0.3 or not children:
+            os.kill(worker.proc.pid, signal.SIGKILL)
+            ledger.record_event(self.conn, run_id, "main", worker.name, worker.proc.pid)
+            procs.pause(1.0)  # the orphaned pool children run on a moment, then die too
+            worker.kill_group()
+            ledger.record_event(self.conn, run_id, "orphans", worker.name, worker.proc.pid)
+            worker.reaped = True  # type: ignore[attr-defined]
+            self.counts["main"] += 1
+            self.fleet.spawn()
+            return
+        pid = self.rng.choice(children)
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            return
+        ledger.record_event(self.conn, run_id, "child", worker.name, pid)
+        self.counts["child"] += 1
+
+
+def _from_environment() -> Any:
+    env = os.environ
+    return make_atomic_app(
+        env["CHAOS_DSN"],
+        env["CHAOS_SCHEMA"],
+        env["CHAOS_RUN"],
+        json.loads(env.get("CHAOS_OPTIONS", "{}")),
+        int(env.get("CHAOS_PREFETCH", "4")),
+    )
+
+
+def __getattr__(name: str) -> Any:
+    # built on first use: `celery -A benchmarks.chaos.atomic` looks up `app`
+    if name == "app":
+        globals()["app"] = built = _from_environment()
+        return built
+    raise AttributeError(name)
