@@ -161,7 +161,7 @@ def test_failed_tasks_are_kept_whatever_settles_them_and_run_again_with_their_id
         "billiard.exceptions.WorkerLostError: Worker exited prematurely"
     )
     # the main process killed it at its hard time limit
-    assert letters[slow.id].error == "billiard.exceptions.TimeLimitExceeded: TimeLimitExceeded(1,)"
+    assert letters[slow.id].error == "billiard.exceptions.TimeLimitExceeded: TimeLimitExceeded(3,)"
     assert [d.reason for d in broker.dead_letters(limit=None)] == ["failed"] * 6
 
     for result in everything:
