@@ -33,7 +33,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from celery import signals
-from celery.exceptions import Reject, WorkerLostError
+from celery.exceptions import Reject, TimeLimitExceeded, WorkerLostError
 from kombu import compression, serialization
 from kombu.utils.json import dumps
 
@@ -113,13 +113,13 @@ def failure(task: Any, request: Any, exception: BaseException, einfo: Any) -> ad
     if message is None:
         return None
     properties: Mapping[str, Any] = request.properties
-    message_id, lease = codec.parse_tag(str(properties.get("delivery_tag") or "0"))
+    _, lease = codec.parse_tag(str(properties.get("delivery_tag") or "0"))
     text = getattr(einfo, "traceback", None)
     if text is None:
         text = "".join(tb.format_exception(type(exception), exception, exception.__traceback__))
     return admin.Failure(
         id=int(properties["delivery_info"]["pgqueue_id"]),
-        lease=lease if message_id else 0,
+        lease=lease,
         attempts=int(properties["delivery_info"].get("pgqueue_attempts") or 1),
         message=message,
         error=error_text(exception),
@@ -130,8 +130,9 @@ def failure(task: Any, request: Any, exception: BaseException, einfo: Any) -> ad
 
 def _rejected_next(task: Any, exception: BaseException) -> bool:
     """Whether the worker rejects the message after this signal instead of acking it:
-    late acks with acks on failure off. A lost worker's signal comes after its settle."""
-    if isinstance(exception, WorkerLostError) or not task.acks_late:
+    late acks with acks on failure off. The main process signals a lost pool process
+    and a hard time limit after it settled the message."""
+    if isinstance(exception, (WorkerLostError, TimeLimitExceeded)) or not task.acks_late:
         return False
     on_failure = getattr(task, "acks_on_failure", None)  # Celery 5.6+
     if on_failure is None:
