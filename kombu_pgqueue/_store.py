@@ -1,28 +1,22 @@
 """The only code that executes SQL: one typed method per named query.
 
-Statements come from ``sql/queries.sql`` (see :mod:`._sql`). Each method borrows a
-pooled autocommit connection for one statement; nothing holds a transaction open
-between calls, so acks may come from any thread.
+Statements come from ``sql/*.sql`` (see :mod:`._sql`). Each method borrows a pooled
+autocommit connection for one statement (:class:`~._connected.Connected`); nothing holds
+a transaction open between calls, so acks may come from any thread.
 """
 
 from __future__ import annotations
 
-import os
 import secrets
-from collections.abc import Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
 import psycopg
-from psycopg import pq
-from psycopg_pool import ConnectionPool, PoolTimeout
 
-from . import _errors, _pool, _sql, transactions
+from . import _pool, _sql, transactions
+from ._connected import Connected
 from ._copy import load_staged
-from ._deadline import WATCHDOG
-from ._options import Options
-from .exceptions import ServerUnavailable
 from .records import (
     STAGING_COLUMNS,
     ClaimRequest,
@@ -34,37 +28,9 @@ from .records import (
     QueueStats,
 )
 
-#: errors that mean the connection, not the statement, failed: Kombu reconnects
-CONNECTION_ERRORS: tuple[type[Exception], ...] = (psycopg.OperationalError, psycopg.InterfaceError)
-
-#: seconds past statement_timeout before the client gives up on the server
-DEADLINE_GRACE = 2.0
-
-
-def _lost(error: Exception) -> bool:
-    """Whether ``error`` means the server went away or takes no writes (its pool is of
-    no more use), rather than that one statement failed (a timeout, a lock)."""
-    if isinstance(error, (ServerUnavailable, PoolTimeout)):
-        return True
-    sqlstate = getattr(error, "sqlstate", None)
-    return sqlstate is None or sqlstate.startswith(("08", "57P"))
-
 
 def driver_version() -> str:
     return str(psycopg.__version__)
-
-
-#: a statement that returned rows (SELECT, or RETURNING)
-TUPLES_OK = pq.ExecStatus.TUPLES_OK
-
-
-#: consumer-side statements whose lost commit can only cause a redelivery
-_RELAXED = frozenset(
-    {"claim", "claim_after", "ack", "ack_many", "requeue", "release", "bury", "renew"}
-)
-
-#: statements that go through an enlisted application transaction, if there is one
-_PUBLISHES = frozenset({"publish", "publish_many", "publish_routed"})
 
 
 def new_lease() -> int:
@@ -72,138 +38,8 @@ def new_lease() -> int:
     return secrets.randbits(62) + 1
 
 
-class Store:
-    """Typed access to one pgqueue schema through a shared connection pool."""
-
-    def __init__(self, conninfo: str, options: Options) -> None:
-        self.conninfo = conninfo
-        self.options = options
-        self.schema = options.schema
-        self._q = _sql.queries(options.schema)
-        self._pool: ConnectionPool | None = None
-        self._pid = os.getpid()
-        self._database: transactions.Database | None = None
-
-    # -- lifecycle -------------------------------------------------------------
-
-    def open(self) -> None:
-        """Connect (raising psycopg's errors as they are) and check the schema."""
-        self._pool = _pool.get_pool(self.conninfo, self.options)
-        self._pid = os.getpid()
-
-    def check_pool(self) -> None:
-        """Drop pooled connections that died (after a database restart)."""
-        if self._pool is not None:
-            self._pool.check()
-
-    @property
-    def pool(self) -> ConnectionPool:
-        # a forked child (Celery prefork) must never use the parent's connections; a
-        # pool discarded after its server went away is replaced by a new one
-        if self._pool is None or self._pid != os.getpid() or self._pool.closed:
-            self.open()
-        assert self._pool is not None
-        return self._pool
-
-    def probe(self) -> None:
-        """Connect afresh and check that the server takes writes, as a reconnect must.
-
-        A pooled connection could be stale (its server gone) and a new one could wait
-        out the pool timeout; a plain connection fails at once, naming the host, so
-        Kombu moves on to the next URL of a failover list, and a standby or read-only
-        server raises :class:`ServerUnavailable` (a connection error: wait, retry).
-        Either way this process's pool for the server is discarded.
-        """
-        try:
-            with _pool.connect(self.conninfo, self.options) as conn:
-                row = conn.execute(self._q["writable"]).fetchone()
-                where = f"{conn.info.host}:{conn.info.port}"
-        except CONNECTION_ERRORS:
-            self._discard()
-            raise
-        if row is None or not row[0]:
-            self._discard()
-            raise ServerUnavailable(
-                f"the database at {where} is read-only: a standby, a failover in progress, "
-                "or default_transaction_read_only is on; waiting for a primary"
-            )
-
-    def _discard(self) -> None:
-        pool, self._pool = self._pool, None
-        if pool is not None and self._pid == os.getpid():
-            _pool.discard(pool)
-
-    @contextmanager
-    def _connection(self, name: str) -> Iterator[psycopg.Connection]:
-        """A pooled connection for statement ``name``, its errors translated, under
-        the statement deadline; a pool whose server went away is discarded."""
-        pool = self.pool
-        try:
-            with self.translated(name), pool.connection() as conn, self._deadline(conn):
-                yield conn
-        except CONNECTION_ERRORS as exc:
-            if _lost(exc):
-                _pool.discard(pool)
-            raise
-
-    @contextmanager
-    def _deadline(self, conn: psycopg.Connection) -> Iterator[None]:
-        timeout = self.options.statement_timeout
-        if not timeout:
-            yield
-            return
-        with WATCHDOG.armed(conn, timeout + DEADLINE_GRACE) as watch:
-            try:
-                yield
-            except CONNECTION_ERRORS as exc:
-                if not watch.fired:
-                    raise
-                raise ServerUnavailable(
-                    f"the database at {conn.info.host}:{conn.info.port} did not answer "
-                    f"within {timeout:g} s (transport option statement_timeout): the server "
-                    "hangs, the network dropped, or a commit waits for a synchronous "
-                    "standby; the connection was closed. A write may have committed on the "
-                    "server before that (Kombu's retry of a Celery task publish is not queued "
-                    "twice: see dedup_task_ids)"
-                ) from exc
-
-    def translated(self, name: str) -> AbstractContextManager[None]:
-        """Statement ``name``'s errors as pgqueue's (see :mod:`._errors`)."""
-        return _errors.translated(
-            name, self.schema, lambda: _pool.forget_schema(self.conninfo, self.schema)
-        )
-
-    def _rows(
-        self, name: str, params: dict[str, Any], *, prepare: bool | None = None
-    ) -> list[tuple[Any, ...]]:
-        if name in _PUBLISHES:
-            enlisted = transactions.current()
-            if enlisted is not None:
-                with self.translated(name):
-                    identity = self._q["database_identity"]
-                    return enlisted.rows(
-                        self.schema, self._q[name], params, identity=identity, broker=self.database
-                    )
-        if name in _RELAXED:
-            # the statement itself turns synchronous_commit off for its own commit
-            params["synchronous_commit"] = "off" if self.options.relax_consumer_commits else None
-        with self._connection(name) as conn:
-            cur = conn.execute(self._q[name], params, prepare=prepare)
-            # the result's status, not cur.description (which builds a Column per column)
-            result = cur.pgresult
-            return cur.fetchall() if result is not None and result.status == TUPLES_OK else []
-
-    def _one(self, name: str, params: dict[str, Any]) -> tuple[Any, ...] | None:
-        rows = self._rows(name, params)
-        return rows[0] if rows else None
-
-    def database(self, *, fresh: bool = False) -> transactions.Database:
-        """The broker's database and server: read once, again when ``fresh``."""
-        if fresh or self._database is None:
-            row = self._one("database_identity", {})
-            assert row is not None
-            self._database = transactions.Database.from_row(row)
-        return self._database
+class Store(Connected):
+    """Typed access to one pgqueue schema: one method per named statement."""
 
     # -- publishing --------------------------------------------------------------
 

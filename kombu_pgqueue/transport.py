@@ -49,11 +49,12 @@ from kombu.transport.virtual.base import Empty  # type: ignore[attr-defined]
 from kombu.utils.objects import cached_property
 
 from . import codec
+from ._connected import CONNECTION_ERRORS
 from ._consumer import Consumer
 from ._loop import LoopDriver, drain
 from ._options import check_name, connection_conninfo, parse_options
 from ._qos import Message, QoS
-from ._store import CONNECTION_ERRORS, Store, driver_version
+from ._store import Store, driver_version
 from ._topics import topic_pattern
 from ._unroutable import Unroutable
 from .exceptions import ConfigurationError
