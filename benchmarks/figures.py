@@ -77,3 +77,11 @@ GROUP_FIGURES = {**GROUP_FIGURES, "publishers": tuple(PUBLISHER_FIGURES)}
 GROUP_FIGURES = {**GROUP_FIGURES, "listeners": tuple(LISTENER_FIGURES)}
 ONLY_FOR = {**ONLY_FOR, "listeners": frozenset({"pgqueue"})}
 VARIANT_GROUPS = VARIANT_GROUPS | {"publishers"}
+
+# exactly-once effects: AtomicTask against acks_late tasks (atomic_drain.py)
+from .atomic_drain import ATOMIC_FIGURES  # noqa: E402
+
+FIGURES = {**FIGURES, **ATOMIC_FIGURES}
+GROUPS = (*GROUPS, "atomic")
+GROUP_FIGURES = {**GROUP_FIGURES, "atomic": tuple(ATOMIC_FIGURES)}
+ONLY_FOR = {**ONLY_FOR, "atomic": frozenset({"pgqueue"})}

@@ -8,6 +8,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from .atomic_drain import bench_atomic
 from .celery_runs import bench_celery
 from .config import STEP_WATCHDOG, Ctx, log
 from .figures import ONLY_FOR
@@ -79,6 +80,8 @@ def run_all(ctx: Ctx, groups: list[str]) -> Results:
                 guarded(b, "bulk", lambda b=b, run=run: bench_bulk(ctx, b, run))
             if "publishers" in groups:
                 guarded(b, "publishers", lambda b=b, run=run: bench_publishers(ctx, b, run))
+            if "atomic" in groups and b.name in ONLY_FOR["atomic"]:
+                guarded(b, "atomic", lambda b=b, run=run: bench_atomic(ctx, b, run))
         idle = [b for b in live if b.name in ONLY_FOR["idle"]]
         if "idle" in groups and idle:
             t0 = time.monotonic()
