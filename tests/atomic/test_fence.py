@@ -183,3 +183,30 @@ def test_a_rejected_atomic_delivery_is_forgotten(held, store):
     atomic.expect(delivery.tag)
     held.reject(delivery.tag, requeue=True)
     assert atomic.take(delivery.tag) is None
+
+
+def test_a_kombu_consumer_acks_in_its_own_transaction(connection, dsn, db, schema, caplog):
+    """docs/atomic.md, "Without Celery": the work and the ack commit together, and the
+    consumer's own ack afterwards sends nothing and warns about nothing."""
+    from kombu import Queue
+
+    queue = Queue("work", routing_key="work")
+    with connection.Producer() as producer:
+        producer.publish({"n": 1}, routing_key="work", declare=[queue])
+    message = queue(connection.default_channel).get(no_ack=False)
+    assert message is not None
+    fence = Fence.from_connection(connection)
+    delivery = Delivery.from_properties(message.properties)
+    assert delivery is not None
+    atomic.expect(delivery.tag)
+    with psycopg.connect(fence.conninfo) as conn:
+        conn.execute(sql.SQL("CREATE TABLE {}.effect (n int)").format(sql.Identifier(schema)))
+        conn.execute(sql.SQL("INSERT INTO {}.effect VALUES (1)").format(sql.Identifier(schema)))
+        assert fence.ack(fence.enlist(conn, check=False), delivery)
+    atomic.committed(delivery.tag)
+    with caplog.at_level(logging.WARNING, logger="kombu_pgqueue"):
+        message.ack()
+    assert not caplog.records
+    assert _count(db, schema) == 0
+    effect = db.execute(sql.SQL("SELECT n FROM {}.effect").format(sql.Identifier(schema)))
+    assert effect.fetchall() == [(1,)]
