@@ -43,7 +43,9 @@ def _recorder(app: Celery) -> tuple[Any, list[str]]:
     ran: list[str] = []
 
     # ignore_result: the tests count runs, and the runs of one task id would store
-    # their results at once (two INSERTs of one task_id: an IntegrityError)
+    # their results at once (two INSERTs of one task_id: an IntegrityError). send_task
+    # says it again: Celery 5.6 sends ignore_result=False with a task sent by name,
+    # and the worker takes the message's word over the task's
     @app.task(name="dd.record", shared=False, ignore_result=True)
     def record(label: str) -> None:
         ran.append(label)
@@ -257,13 +259,13 @@ def test_celery_task_id_dedup_ends_at_the_early_ack(app, connection, rows):
         ran.append(label)
 
     with start_worker(app, pool="threads", concurrency=2, perform_ping_check=False):
-        app.send_task("dd.hold", ("first",), task_id=task_id)
+        app.send_task("dd.hold", ("first",), task_id=task_id, ignore_result=True)
         assert started.wait(15)
         # Celery acks before running (acks_late=False): once that ack is written, the
         # table no longer holds the running task's key
         wait_for(lambda: rows() == [], 10, "the early ack")
         # the publish is retried while the task runs
-        app.send_task("dd.hold", ("retried publish",), task_id=task_id)
+        app.send_task("dd.hold", ("retried publish",), task_id=task_id, ignore_result=True)
         gate.set()
         wait_for(lambda: "first" in ran, 15, "the running task to finish")
         hold.apply_async(("sentinel",))
@@ -276,8 +278,8 @@ def test_celery_same_task_id_sent_twice_runs_twice(app, connection, rows):
     """apply_async(task_id=...) twice is two sends Celery meant (not a publish retry)."""
     record, ran = _recorder(app)
     task_id = _task_id()
-    first = app.send_task("dd.record", ("twice",), task_id=task_id)
-    again = app.send_task("dd.record", ("twice",), task_id=task_id)
+    first = app.send_task("dd.record", ("twice",), task_id=task_id, ignore_result=True)
+    again = app.send_task("dd.record", ("twice",), task_id=task_id, ignore_result=True)
     assert first.id == again.id == task_id
     assert len(rows()) == 2
     _run_until_sentinel(app, record, ran)
@@ -295,6 +297,7 @@ def test_celery_task_id_sent_twice_through_a_named_exchange(app, connection, row
             "dd.record",
             ("twice",),
             task_id=task_id,
+            ignore_result=True,
             exchange=exchange,
             routing_key="dd.key",
         )
@@ -356,8 +359,8 @@ def test_dedup_task_ids_false_stores_both_copies(celery_dsn, schema, connection,
     try:
         record, ran = _recorder(app)
         task_id = _task_id()
-        app.send_task("dd.record", ("twice",), task_id=task_id)
-        app.send_task("dd.record", ("twice",), task_id=task_id)
+        app.send_task("dd.record", ("twice",), task_id=task_id, ignore_result=True)
+        app.send_task("dd.record", ("twice",), task_id=task_id, ignore_result=True)
         assert rows("dedup_key") == [(None,), (None,)]
         _run_until_sentinel(app, record, ran)
         assert sorted(ran) == ["sentinel", "twice", "twice"]
