@@ -24,4 +24,5 @@ def _uuid5(name: str) -> str:
     h = sha1(_NAMESPACE_BYTES + name.encode()).hexdigest()
     return f"{h[:8]}-{h[8:12]}-5{h[13:16]}-{_VARIANT[h[16]]}{h[17:20]}-{h[20:32]}"
 
+
 __all__ = ["MAX_KEY_BYTES", "NAMESPACE", "_Template", "_json", "_uuid5"]
