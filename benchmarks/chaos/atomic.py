@@ -219,22 +219,34 @@ class _Killer:
         worker = self.rng.choice(live)
         children = worker.children()
         if self.rng.random() < 0.3 or not children:
+            at = self._now()
             os.kill(worker.proc.pid, signal.SIGKILL)
-            ledger.record_event(self.conn, run_id, "main", worker.name, worker.proc.pid)
+            ledger.record_event(self.conn, run_id, "main", worker.name, worker.proc.pid, at)
             procs.pause(1.0)  # the orphaned pool children run on a moment, then die too
+            at = self._now()
             worker.kill_group()
-            ledger.record_event(self.conn, run_id, "orphans", worker.name, worker.proc.pid)
+            ledger.record_event(self.conn, run_id, "orphans", worker.name, worker.proc.pid, at)
             worker.reaped = True  # type: ignore[attr-defined]
             self.counts["main"] += 1
             self.fleet.spawn()
             return
         pid = self.rng.choice(children)
+        at = self._now()
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             return
-        ledger.record_event(self.conn, run_id, "child", worker.name, pid)
+        ledger.record_event(self.conn, run_id, "child", worker.name, pid, at)
         self.counts["child"] += 1
+
+    def _now(self) -> Any:
+        """The server's clock just before a kill, the kill's time in the ledger. Read
+        after it, it can come later than the next execution's start: a killed pool
+        child's task is requeued and started elsewhere within a few milliseconds, and
+        under load this process's INSERT of the event can take longer than that."""
+        row = self.conn.execute("SELECT clock_timestamp()").fetchone()
+        assert row is not None
+        return row[0]
 
 
 def _from_environment() -> Any:
