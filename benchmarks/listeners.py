@@ -48,7 +48,7 @@ import psycopg
 from psycopg import sql
 
 from .config import ROOT, Ctx, log
-from .scale import Fleet, Window, window
+from .scale import Fleet, Window, proc_cpu, tree_cpu, window
 
 #: listening sessions measured, and how they are split among processes
 COUNTS = (1, 50, 200, 500)
@@ -59,7 +59,6 @@ MANY = 8
 #: sessions that listen on a channel nobody notifies (PostgreSQL 15 signals them all the same)
 OTHER = 200
 MAX_CONNECTIONS = 600
-TICK = os.sysconf("SC_CLK_TCK")
 
 LISTENER_FIGURES: dict[str, tuple[str, str, str]] = {}
 for _n in COUNTS:
@@ -131,34 +130,7 @@ def server_cpu(datadir: str) -> float:
     """CPU-seconds of the cluster: the postmaster (with its reaped children) and its live
     children."""
     with open(os.path.join(datadir, "postmaster.pid")) as f:
-        postmaster = int(f.readline())
-    total = 0.0
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        pid, ppid = int(entry), int(fields[1])
-        if pid == postmaster:
-            total += sum(int(x) for x in fields[11:15])  # utime stime cutime cstime
-        elif ppid == postmaster:
-            total += int(fields[11]) + int(fields[12])
-    return total / TICK
-
-
-def proc_cpu(pids: list[int]) -> float:
-    total = 0
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            total += int(fields[11]) + int(fields[12])
-        except OSError:
-            pass
-    return total / TICK
+        return tree_cpu(int(f.readline()))
 
 
 # -- listening sessions ------------------------------------------------------------------------

@@ -4,7 +4,8 @@
     python benchmarks/probes/publish_breakdown.py statements
     python benchmarks/probes/publish_breakdown.py pyspy BROKER
 
-``timers``: N back-to-back ``apply_async`` of a no-op task (``PROBE_CALLS``, 3,000; the
+``timers``: the wall time and this process's CPU time (all threads) per call, then N
+back-to-back ``apply_async`` of a no-op task (``PROBE_CALLS``, 3,000; the
 harness' Celery settings, ``bench_app.make_app``) on each broker of :data:`BROKERS` in
 turn, ROUNDS times (3), A/B/A/B. Each layer's entry point is wrapped with a timer, so
 its inclusive time is known; the difference between a layer and the next one down is
@@ -172,14 +173,16 @@ def timers_main(rounds: int) -> None:
             task.apply_async()
     found: dict[str, list[dict[str, float]]] = collections.defaultdict(list)
     plain: dict[str, list[float]] = collections.defaultdict(list)
+    cpus: dict[str, list[float]] = collections.defaultdict(list)
     for r in range(rounds):
         names = list(tasks) if r % 2 == 0 else list(reversed(tasks))
         for name in names:
             task = tasks[name]
-            began = time.perf_counter()
+            began, cpu = time.perf_counter(), time.process_time()
             for _ in range(N):
                 task.apply_async()
             plain[name].append((time.perf_counter() - began) / N * 1e6)
+            cpus[name].append((time.process_time() - cpu) / N * 1e6)
             timers.total.clear()
             timers.on = True
             for _ in range(N):
@@ -187,10 +190,12 @@ def timers_main(rounds: int) -> None:
             timers.on = False
             found[name].append(layers(timers.total, N))
     for name in tasks:
-        p = plain[name]
+        p, c = plain[name], cpus[name]
         print(
             f"\n{name}: unwrapped {statistics.median(p):.0f} us per apply_async "
-            f"[{min(p):.0f}-{max(p):.0f}], {N} calls x {rounds} rounds"
+            f"[{min(p):.0f}-{max(p):.0f}], of which this process's CPU "
+            f"{statistics.median(c):.0f} us [{min(c):.0f}-{max(c):.0f}]; "
+            f"{N} calls x {rounds} rounds"
         )
         for key in found[name][0]:
             vals = [f[key] for f in found[name]]
