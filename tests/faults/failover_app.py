@@ -37,7 +37,7 @@ def make_app(broker_url: str, schema: str) -> Celery:
     ledger_dsn = os.environ.get("PGQUEUE_LEDGER_DSN", "")
     ledger = sql.Identifier(*os.environ.get("PGQUEUE_LEDGER", "public.ledger").split("."))
 
-    @app.task(name="failover.record")
+    @app.task(name="failover.record", shared=False)
     def record(label: str) -> None:
         with psycopg.connect(ledger_dsn, autocommit=True) as conn:
             conn.execute(sql.SQL("INSERT INTO {} (label) VALUES (%s)").format(ledger), [label])
