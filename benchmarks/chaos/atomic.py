@@ -24,6 +24,7 @@ import signal
 import subprocess
 import sys
 import time
+from datetime import datetime, timezone
 from typing import Any
 
 import psycopg
@@ -219,34 +220,33 @@ class _Killer:
         worker = self.rng.choice(live)
         children = worker.children()
         if self.rng.random() < 0.3 or not children:
-            at = self._now()
             os.kill(worker.proc.pid, signal.SIGKILL)
+            at = _killed_at()
             ledger.record_event(self.conn, run_id, "main", worker.name, worker.proc.pid, at)
             procs.pause(1.0)  # the orphaned pool children run on a moment, then die too
-            at = self._now()
             worker.kill_group()
+            at = _killed_at()
             ledger.record_event(self.conn, run_id, "orphans", worker.name, worker.proc.pid, at)
             worker.reaped = True  # type: ignore[attr-defined]
             self.counts["main"] += 1
             self.fleet.spawn()
             return
         pid = self.rng.choice(children)
-        at = self._now()
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             return
-        ledger.record_event(self.conn, run_id, "child", worker.name, pid, at)
+        ledger.record_event(self.conn, run_id, "child", worker.name, pid, _killed_at())
         self.counts["child"] += 1
 
-    def _now(self) -> Any:
-        """The server's clock just before a kill, the kill's time in the ledger. Read
-        after it, it can come later than the next execution's start: a killed pool
-        child's task is requeued and started elsewhere within a few milliseconds, and
-        under load this process's INSERT of the event can take longer than that."""
-        row = self.conn.execute("SELECT clock_timestamp()").fetchone()
-        assert row is not None
-        return row[0]
+
+def _killed_at() -> datetime:
+    """A kill's time in the ledger: this machine's clock (the server's too) right after
+    the signal was sent, when the process can run no more. The server's clock at the
+    event's INSERT can come later than the next execution's start (a killed child's task
+    is requeued and starts elsewhere within 0.1 s; the INSERT is slower under load), and
+    read before the kill, earlier than the start of the execution it cut short."""
+    return datetime.now(timezone.utc)
 
 
 def _from_environment() -> Any:
