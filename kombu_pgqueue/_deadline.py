@@ -16,6 +16,7 @@ dedup key (see ``dedup_task_ids``), and nothing acknowledged to a caller is lost
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import threading
@@ -43,6 +44,8 @@ class Watchdog:
         self._armed: set[_Watch] = set()
         self._thread: threading.Thread | None = None
         self._pid = os.getpid()
+        #: when the thread looks next (inf: only when woken)
+        self._wakes_at = math.inf
 
     @contextmanager
     def armed(self, conn: psycopg.Connection, seconds: float) -> Iterator[_Watch]:
@@ -50,9 +53,12 @@ class Watchdog:
         watch = _Watch(conn, time.monotonic() + seconds)
         with self._cond:
             self._ensure_thread()
-            was_idle = not self._armed
             self._armed.add(watch)
-            if was_idle:
+            # deadlines come in order (one timeout, later calls): the thread, which looks
+            # at the soonest one it knew, is woken only when it knew none (once per
+            # timeout's length), not on every statement
+            if watch.deadline < self._wakes_at:
+                self._wakes_at = watch.deadline
                 self._cond.notify()
         try:
             yield watch
@@ -63,6 +69,7 @@ class Watchdog:
     def _ensure_thread(self) -> None:
         if self._pid != os.getpid():  # a forked child: the parent's thread is not here
             self._pid, self._thread, self._armed = os.getpid(), None, set()
+            self._wakes_at = math.inf
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="pgqueue-deadline", daemon=True)
             self._thread.start()
@@ -76,8 +83,9 @@ class Watchdog:
                     self._armed.discard(watch)
                     watch.fired = True
                 if not due:
-                    soonest = min((w.deadline for w in self._armed), default=None)
-                    self._cond.wait(None if soonest is None else soonest - now)
+                    soonest = min((w.deadline for w in self._armed), default=math.inf)
+                    self._wakes_at = soonest
+                    self._cond.wait(None if soonest == math.inf else soonest - now)
                     continue
             for watch in due:
                 _cut(watch.conn)

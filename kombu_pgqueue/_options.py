@@ -233,7 +233,7 @@ _warned: set[str] = set()
 
 def _warn_unknown(keys: Iterable[str]) -> None:
     """Warn once per process about an option pgqueue does not know, naming the closest."""
-    known = [f.name for f in fields(Options)] + ["libpq", "async_claims"]
+    known = [f.name for f in fields(Options)] + ["libpq", "async_claims", "synchronous_commit"]
     for key in keys:
         if key in known or key in _warned or key in FOREIGN_OPTIONS or key in LIBPQ_KEYWORDS:
             continue

@@ -378,7 +378,10 @@ def test_a_misspelled_option_warns_once_naming_the_closest_one(
 def test_valid_options_are_not_warned_about(caplog: pytest.LogCaptureFixture) -> None:
     valid = {"schema": "s", "visibility_timeout": 9, "statement_timeout": 3, "sslmode": "off"}
     with caplog.at_level(logging.WARNING, logger="kombu_pgqueue"):
-        parse_options({**valid, "polling_interval": 1, "libpq": {}, "async_claims": True})
+        parse_options(
+            {**valid, "polling_interval": 1, "libpq": {}, "async_claims": True}
+            | {"synchronous_commit": "off"}
+        )
 
     assert caplog.records == []
 
