@@ -2,12 +2,14 @@
 
 Drain rate of tasks that each write one row, as :class:`celery_pgqueue.AtomicTask`
 (the row, the ack and what the worker sends commit in one transaction of the task's
-connection) and as a plain ``acks_late`` task (the same INSERT in autocommit on a
-connection of its own, kept between tasks like the atomic task's; then the worker's
-ack), with the same worker (prefork -c 2, threads -c 8) on the same backlog size
-(``celery_n``). Figures: tasks/s from the first row written to the last (the server's
-clock at each INSERT), and atomic / plain (the target is at least 0.8). The two kinds
-alternate which goes first from run to run.
+connection) and as plain ``acks_late`` tasks writing the same row on a connection of
+their own, kept between tasks like the atomic task's, then acked by the worker:
+``plain`` in autocommit (one statement), ``plaintx`` in a transaction (``BEGIN``,
+``INSERT``, ``COMMIT``: what a psycopg connection does by default, and an ORM session).
+The same worker (prefork -c 2, threads -c 8) drains the same backlog size
+(``celery_n``) of each kind. Figures: tasks/s from the first row written to the last
+(the server's clock at each INSERT); atomic / plain (the issue's figure, target 0.8)
+and atomic / plaintx. The kinds rotate which goes first from run to run.
 
 The workers run ``celery -A benchmarks.atomic_drain worker``: this module's app, with
 :data:`benchmarks.bench_app.COMMON_SETTINGS`.
@@ -36,20 +38,30 @@ from .peers import Broker, declare, delete_queue
 
 POOLS = (("prefork", 2), ("threads", 8))
 TABLE = "atomic_bench"
-KINDS = ("plain", "atomic")
+KINDS = ("plain", "plaintx", "atomic")
+#: how each kind writes its row
+KIND_LABELS = {
+    "plain": "acks_late task, autocommit",
+    "plaintx": "acks_late task, own transaction",
+    "atomic": "AtomicTask",
+}
 
 ATOMIC_FIGURES: Mapping[str, tuple[str, str, str]] = {
     f"atomic_{kind}_{pool}": (
-        f"Drain, {'AtomicTask' if kind == 'atomic' else 'acks_late task'} writing a row, "
-        f"{pool} -c {conc}",
+        f"Drain writing a row, {KIND_LABELS[kind]}, {pool} -c {conc}",
         "tasks/s",
         "higher",
     )
     for pool, conc in POOLS
     for kind in KINDS
 } | {
-    f"atomic_ratio_{pool}": (f"AtomicTask / acks_late drain, {pool} -c {conc}", "x", "higher")
+    f"atomic_ratio{base}_{pool}": (
+        f"AtomicTask / {KIND_LABELS[base or 'plain']}, {pool} -c {conc}",
+        "x",
+        "higher",
+    )
     for pool, conc in POOLS
+    for base in ("", "plaintx")
 }
 
 
@@ -71,15 +83,17 @@ def bench_atomic(ctx: Ctx, broker: Broker, run: int) -> dict[str, list[float]]:
         )
         for pool, conc in POOLS:
             rates: dict[str, float] = {}
-            for kind in KINDS if run % 2 == 0 else KINDS[::-1]:
+            for kind in KINDS[run % 3 :] + KINDS[: run % 3]:
                 tag = f"{kind}_{pool}"
                 rate = _drain(ctx, broker, conn, schema, tag, pool, conc, n)
                 if rate is not None:
                     rates[kind] = rate
                     out[f"atomic_{tag}"] = [rate]
                     log(f"  pgqueue  atomic {tag:16s} {rate:8.0f} tasks/s")
-            if len(rates) == 2:
-                out[f"atomic_ratio_{pool}"] = [rates["atomic"] / rates["plain"]]
+            for base in ("plain", "plaintx"):
+                if "atomic" in rates and base in rates:
+                    key = f"atomic_ratio{'' if base == 'plain' else base}_{pool}"
+                    out[key] = [rates["atomic"] / rates[base]]
         conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(table))
     return out
 
@@ -161,7 +175,7 @@ def _start_worker(
 
 
 def make_app(broker: str, options: dict[str, Any], queue: str, dsn: str, schema: str) -> Celery:
-    """The benchmark's app: ``bench.write_plain`` and ``bench.write_atomic``."""
+    """The benchmark's app: ``bench.write_<kind>`` for each of :data:`KINDS`."""
     from celery_pgqueue.atomic import AtomicTask
 
     app = Celery("atomic_bench", broker=broker, set_as_current=False)
@@ -175,15 +189,26 @@ def make_app(broker: str, options: dict[str, Any], queue: str, dsn: str, schema:
     insert = sql.SQL(
         "INSERT INTO {} (kind, task_id, at) VALUES (%s, %s, extract(EPOCH FROM clock_timestamp()))"
     ).format(sql.Identifier(schema, TABLE))
+    #: each thread's connection, by autocommit (a pool child makes its own after fork)
     own = threading.local()
+
+    def connection(autocommit: bool) -> psycopg.Connection:
+        key = f"conn_{autocommit}_{os.getpid()}"
+        conn: psycopg.Connection | None = getattr(own, key, None)
+        if conn is None:
+            conn = psycopg.connect(dsn, autocommit=autocommit)
+            setattr(own, key, conn)
+        return conn
 
     @app.task(name="bench.write_plain", acks_late=True, bind=True, shared=False)
     def write_plain(self: Any, tag: str) -> None:
-        conn = getattr(own, "conn", None)
-        if conn is None or getattr(own, "pid", None) != os.getpid():
-            conn = own.conn = psycopg.connect(dsn, autocommit=True)
-            own.pid = os.getpid()
+        connection(autocommit=True).execute(insert, (tag, self.request.id))
+
+    @app.task(name="bench.write_plaintx", acks_late=True, bind=True, shared=False)
+    def write_plaintx(self: Any, tag: str) -> None:
+        conn = connection(autocommit=False)
         conn.execute(insert, (tag, self.request.id))
+        conn.commit()
 
     @app.task(name="bench.write_atomic", base=AtomicTask, bind=True, shared=False)
     def write_atomic(self: Any, tag: str) -> None:
