@@ -22,8 +22,9 @@ from kombu_pgqueue.admin import conninfo
 from kombu_pgqueue.embedded import broker_url
 
 from . import archive
+from .atomic import AtomicTask
 
-__all__ = ["__version__", "broker_url", "configure", "result_backend_url"]
+__all__ = ["AtomicTask", "__version__", "broker_url", "configure", "result_backend_url"]
 
 
 def result_backend_url(dsn: str) -> str:
