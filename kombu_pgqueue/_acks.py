@@ -64,13 +64,17 @@ class AckBatcher:
             # try once more, so these acks are not lost to a redelivery
             self.store.check_pool()
             done = self.store.ack_many(ids, leases)
-        if done < len(ids):
+        self.report(done, len(ids))
+        return done
+
+    def report(self, done: int, sent: int) -> None:
+        """``done`` of ``sent`` acks deleted their row: the rest came too late."""
+        if done < sent:
             logger.warning(
                 "pgqueue: %d of %d acks came after their lease ended; those messages may run again",
-                len(ids) - done,
-                len(ids),
+                sent - done,
+                sent,
             )
-        return done
 
     def _run(self) -> None:
         while not self._stop.is_set():

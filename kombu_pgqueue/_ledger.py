@@ -18,8 +18,6 @@ import threading
 from collections.abc import Iterable
 from typing import Protocol
 
-import psycopg
-
 from . import _counters, atomic, codec
 from ._acks import AckBatcher
 from ._leases import LeaseKeeper
@@ -83,19 +81,8 @@ class AtomicAcks(AckBatcher):
     row deleted by the task's own commit, which is no late ack. One that finds a row
     still there (the task failed and rolled back, and Celery acks a failure) deletes it."""
 
-    def flush(self) -> int:
-        with self._lock:
-            if not self._ids:
-                return 0
-            ids, leases = self._ids, self._leases
-            self._ids, self._leases = [], []
-        try:
-            done = self.store.ack_many(ids, leases)
-        except psycopg.OperationalError:
-            self.store.check_pool()  # as AckBatcher.flush: once more on a fresh connection
-            done = self.store.ack_many(ids, leases)
-        logger.debug("pgqueue: %d of %d acks of atomic tasks deleted a row", done, len(ids))
-        return done
+    def report(self, done: int, sent: int) -> None:
+        logger.debug("pgqueue: %d of %d acks of atomic tasks deleted a row", done, sent)
 
 
 class Held:
