@@ -9,6 +9,7 @@ import signal
 import threading
 import time
 import uuid
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -123,10 +124,12 @@ def kill(ctx: Context) -> Result:
             children = worker.children()
             if rng.random() < 0.3 or not children:
                 os.kill(worker.proc.pid, signal.SIGKILL)
-                ledger.record_event(conn, run.run_id, "main", worker.name, worker.proc.pid)
+                at = _killed_at()
+                ledger.record_event(conn, run.run_id, "main", worker.name, worker.proc.pid, at)
                 procs.pause(1.0)  # the orphaned pool children run on a moment, then die too
                 worker.kill_group()
-                ledger.record_event(conn, run.run_id, "orphans", worker.name, worker.proc.pid)
+                at = _killed_at()
+                ledger.record_event(conn, run.run_id, "orphans", worker.name, worker.proc.pid, at)
                 worker.reaped = True  # type: ignore[attr-defined]
                 kills["main"] += 1
                 fleet.spawn()
@@ -136,7 +139,7 @@ def kill(ctx: Context) -> Result:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     return
-                ledger.record_event(conn, run.run_id, "child", worker.name, pid)
+                ledger.record_event(conn, run.run_id, "child", worker.name, pid, _killed_at())
                 kills["child"] += 1
 
         drained = _wait_drained(run, conn, publisher, timeout=max(600, n / 40), tick=tick)
@@ -447,3 +450,10 @@ def poison(ctx: Context) -> Result:
             ("drained (no message left)", drained),
         ]
         return result
+
+
+def _killed_at() -> datetime:
+    """A kill's time in the ledger: this machine's clock (the local server's too) right
+    after the signal. The server's clock at the event's INSERT can come later than the
+    start of the killed task's next run elsewhere (as the atomic scenario found)."""
+    return datetime.now(timezone.utc)
