@@ -61,9 +61,17 @@ class Connected:
 
     # -- lifecycle -------------------------------------------------------------
 
-    def open(self) -> None:
-        """Connect (raising psycopg's errors as they are) and check the schema."""
-        self._pool = _pool.get_pool(self.conninfo, self.options)
+    def open(self, *, probe: bool = False) -> None:
+        """Connect (raising psycopg's errors as they are) and check the schema.
+
+        ``probe``, as a reconnect must: connect afresh and check that the server takes
+        writes. A pooled connection could be stale (its server gone) and a new one could
+        wait out the pool timeout; a plain connection fails at once, naming the host, so
+        Kombu moves on to the next URL of a failover list, and a standby or read-only
+        server raises :class:`ServerUnavailable` (a connection error: wait, retry).
+        """
+        self._pool = None
+        self._pool = _pool.get_pool(self.conninfo, self.options, probe=probe)
         self._pid = os.getpid()
 
     def check_pool(self) -> None:
@@ -79,34 +87,6 @@ class Connected:
             self.open()
         assert self._pool is not None
         return self._pool
-
-    def probe(self) -> None:
-        """Connect afresh and check that the server takes writes, as a reconnect must.
-
-        A pooled connection could be stale (its server gone) and a new one could wait
-        out the pool timeout; a plain connection fails at once, naming the host, so
-        Kombu moves on to the next URL of a failover list, and a standby or read-only
-        server raises :class:`ServerUnavailable` (a connection error: wait, retry).
-        Either way this process's pool for the server is discarded.
-        """
-        try:
-            with _pool.connect(self.conninfo, self.options) as conn:
-                row = conn.execute(self._q["writable"]).fetchone()
-                where = f"{conn.info.host}:{conn.info.port}"
-        except CONNECTION_ERRORS:
-            self._discard()
-            raise
-        if row is None or not row[0]:
-            self._discard()
-            raise ServerUnavailable(
-                f"the database at {where} is read-only: a standby, a failover in progress, "
-                "or default_transaction_read_only is on; waiting for a primary"
-            )
-
-    def _discard(self) -> None:
-        pool, self._pool = self._pool, None
-        if pool is not None and self._pid == os.getpid():
-            _pool.discard(pool)
 
     @contextmanager
     def _connection(self, name: str) -> Iterator[psycopg.Connection]:
@@ -134,7 +114,7 @@ class Connected:
                 if not watch.fired:
                     raise
                 raise ServerUnavailable(
-                    f"the database at {conn.info.host}:{conn.info.port} did not answer "
+                    f"the database at {_errors.where(conn.pgconn)} did not answer "
                     f"within {timeout:g} s (transport option statement_timeout): the server "
                     "hangs, the network dropped, or a commit waits for a synchronous "
                     "standby; the connection was closed. A write may have committed on the "

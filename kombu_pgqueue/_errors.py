@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import psycopg
-from psycopg import errors
+from psycopg import errors, pq
 
 from . import _sql
 from .exceptions import MessageError, PrivilegeError, SchemaError, ServerUnavailable
@@ -29,7 +29,7 @@ def translated(name: str, schema: str, forget_schema: Callable[[], None]) -> Ite
     try:
         yield
     except errors.ReadOnlySqlTransaction as exc:
-        raise read_only(exc) from exc
+        raise read_only(exc.pgconn, exc.diag.message_primary or str(exc)) from exc
     except errors.UndefinedTable as exc:
         forget_schema()
         raise SchemaError(
@@ -47,19 +47,18 @@ def translated(name: str, schema: str, forget_schema: Callable[[], None]) -> Ite
         raise MessageError(f"{name} on schema {schema!r}: {detail}") from exc
 
 
-def where(error: psycopg.Error) -> str:
-    """host:port of the server that raised ``error`` (or "the server")."""
-    pgconn = error.pgconn
+def where(pgconn: pq.abc.PGconn | None) -> str:
+    """host:port of the server of ``pgconn`` (or "the server")."""
     if pgconn is None or not pgconn.host:
         return "the server"
     host = pgconn.host.decode()
     return f"{host}:{pgconn.port.decode()}" if not host.startswith("/") else host
 
 
-def read_only(error: psycopg.Error) -> ServerUnavailable:
-    """A write refused by a server in recovery or read-only, as a connection error."""
+def read_only(pgconn: pq.abc.PGconn | None, detail: str | None = None) -> ServerUnavailable:
+    """A server in recovery or read-only, as a connection error (wait for a primary)."""
     return ServerUnavailable(
-        f"the database at {where(error)} is read-only ({error.diag.message_primary or error}): "
+        f"the database at {where(pgconn)} is read-only{f' ({detail})' if detail else ''}: "
         "a standby, a failover in progress, or default_transaction_read_only is on; "
         "waiting for a primary"
     )
@@ -72,7 +71,7 @@ def writable() -> Iterator[None]:
     try:
         yield
     except errors.ReadOnlySqlTransaction as exc:
-        raise read_only(exc) from exc
+        raise read_only(exc.pgconn, exc.diag.message_primary or str(exc)) from exc
 
 
 @contextmanager

@@ -56,10 +56,15 @@ class Ledger:
 
     def settle(self, tag: str) -> tuple[int, int]:
         """Stop holding ``tag``; return its (id, lease)."""
+        held = self.settle_held(tag)
+        return held if held is not None else codec.parse_tag(tag)
+
+    def settle_held(self, tag: str) -> tuple[int, int] | None:
+        """Stop holding ``tag``; its (id, lease) if it was held, else None."""
         with self._lock:
-            self._held.pop(tag, None)
+            held = self._held.pop(tag, None)
         atomic.forget(tag)
-        return codec.parse_tag(tag)
+        return held
 
     def settle_all(self, tags: Iterable[str]) -> list[tuple[int, int]]:
         """Stop holding ``tags``; return the (id, lease) of those with a lease."""
@@ -158,12 +163,11 @@ class Held:
         """Move ``tag`` to the dead letters with ``reason`` and ``error``; False when it
         was not held (settled already, or taken without ack: then it is gone)."""
         self._undecodable.pop(tag, None)
-        held = self._ledger.holds(tag)
-        message_id, lease = self.settle(tag)
-        if not held:
+        held = self._ledger.settle_held(tag)
+        if held is None:
             return False
         _counters.add("rejected")
-        return self.store.bury(message_id, lease, reason, error)
+        return self.store.bury(*held, reason, error)
 
     def poisoned(self, queue: str, tag: str, exc: Exception) -> None:
         """The consumer's callback raised ``exc`` on ``tag``: dead-letter it (reason

@@ -19,7 +19,7 @@ import psycopg
 from psycopg import sql
 from psycopg_pool import ConnectionPool
 
-from . import _errors, migrations
+from . import _errors, _sql, migrations
 from ._options import Options
 
 _lock = threading.Lock()
@@ -82,22 +82,37 @@ def _configure(options: Options) -> Callable[[psycopg.Connection], None]:
     return configure
 
 
-def get_pool(conninfo: str, options: Options) -> ConnectionPool:
+def get_pool(conninfo: str, options: Options, *, probe: bool = False) -> ConnectionPool:
     """Return this process's pool for ``conninfo``, opening it (and the schema) first.
 
     A new pool (the first of the process, or after :func:`discard`) starts with a
     plain connection, so a wrong password, a missing database or a server that is
     down raises at once with libpq's own message (naming the host) rather than after
     a pool timeout; that connection installs or checks the schema.
+
+    ``probe`` (a reconnect): open that plain connection even for a cached pool, whose
+    connections may be to a server that went away, and check that the server takes
+    writes (:class:`~.exceptions.ServerUnavailable` if not). A failed probe discards
+    the cached pool, so a failover list or a multi-host URL can lead elsewhere.
     """
     key = (conninfo, options.pool_max_size, options.prepare_threshold)
     with _lock:
         pool = _pools.get(key)
         if pool is not None and pool.closed:
             pool = None
-        if pool is None or (conninfo, options.schema) not in _migrated:
-            with connect(conninfo, options) as conn, _errors.writable():
-                migrations.ensure(conn, options.schema, auto_migrate=options.auto_migrate)
+        fresh = pool is None or (conninfo, options.schema) not in _migrated
+        if fresh or probe:
+            try:
+                with connect(conninfo, options) as conn, _errors.writable():
+                    if probe:
+                        _check_writable(conn, options)
+                    if fresh:
+                        migrations.ensure(conn, options.schema, auto_migrate=options.auto_migrate)
+            except Exception:
+                if pool is not None:
+                    del _pools[key]
+                    _close_later(pool)
+                raise
             _migrated.add((conninfo, options.schema))
         if pool is None:
             pool = ConnectionPool(
@@ -115,6 +130,12 @@ def get_pool(conninfo: str, options: Options) -> ConnectionPool:
         return pool
 
 
+def _check_writable(conn: psycopg.Connection, options: Options) -> None:
+    row = conn.execute(_sql.queries(options.schema)["writable"]).fetchone()
+    if row is None or not row[0]:
+        raise _errors.read_only(conn.pgconn)
+
+
 def discard(pool: ConnectionPool) -> None:
     """Forget ``pool`` and close it (its server went away, or turned read-only): the
     next :func:`get_pool` connects afresh, where a failover list or a multi-host URL
@@ -123,6 +144,10 @@ def discard(pool: ConnectionPool) -> None:
         for key, cached in list(_pools.items()):
             if cached is pool:
                 del _pools[key]
+    _close_later(pool)
+
+
+def _close_later(pool: ConnectionPool) -> None:
     # in the background: closing waits for the pool's workers, which may be connecting
     threading.Thread(target=pool.close, kwargs={"timeout": 5}, daemon=True).start()
 

@@ -345,8 +345,7 @@ class Transport(virtual.Transport):
         conninfo = self._conninfo()
         if conninfo != self.store.conninfo:  # failover switched hosts
             self.consumer.use_store(Store(conninfo, self.options))
-        self.store.probe()  # a host that is down or a standby fails here, at once
-        self.store.open()
+        self.store.open(probe=True)  # a host that is down or a standby fails here, at once
         self.store.check_pool()
         self.consumer.reopen()
         return super().establish_connection()  # type: ignore[no-untyped-call]
