@@ -133,6 +133,9 @@ class Connected:
     ) -> list[tuple[Any, ...]]:
         if name in _PUBLISHES:
             enlisted = transactions.current()
+            # notify only a queue somebody waits for, unless in an application's
+            # transaction (see the top of sql/queries.sql)
+            params["gate"] = enlisted is None
             if enlisted is not None:
                 with self.translated(name):
                     identity = self._q["database_identity"]

@@ -20,7 +20,7 @@ from typing import Any
 from . import _counters, codec
 from ._claimer import Claimer
 from ._ledger import Held, Sink
-from ._listener import Listener, Wakeups, queue_token
+from ._listener import Listener, Wakeups
 from ._options import Options
 from ._resume import ResumePositions
 from ._store import Store, new_lease
@@ -53,8 +53,7 @@ class _Subscription:
 
 @dataclass(slots=True)
 class _SinkState:
-    #: messages that claims in flight may still bring
-    claiming: int = 0
+    claiming: int = 0  # messages that claims in flight may still bring
     last_claim: float = 0.0
 
 
@@ -76,8 +75,6 @@ class Consumer:
         self.listener: Listener | None = None
         self.claimer: Claimer | None = None
         self._subs: dict[str, _Subscription] = {}
-        #: notification token -> subscribed queue
-        self._tokens: dict[str, str] = {}
         self._sinks: dict[int, _SinkState] = {}
         #: queues with news, not yet claimed from
         self.pending: set[str] = set()
@@ -101,17 +98,21 @@ class Consumer:
 
     def subscribe(self, queue: str, sink: Sink, no_ack: bool) -> None:
         self._subs[queue] = _Subscription(sink, no_ack)
-        self._tokens[queue_token(queue)] = queue
         self._state(sink)
+        listener = self.ensure_listener()
+        if listener is not None:  # notified from now on; read what came meanwhile
+            listener.watch([queue])
+            self.wake(listener.drain())
         self.pending.add(queue)
-        self.ensure_listener()
+        self.next_poll = 0.0  # its delayed messages' due times
         self.held.keep_leases()
 
     def unsubscribe(self, queue: str, sink: Sink) -> None:
         sub = self._subs.get(queue)
         if sub is not None and sub.sink is sink:
             del self._subs[queue]
-            self._tokens.pop(queue_token(queue), None)
+            if self.listener is not None:
+                self.listener.unwatch([queue])
         self.pending.discard(queue)
 
     @property
@@ -148,7 +149,9 @@ class Consumer:
             return None
         if self.listener is None:
             self.listener = Listener(self.store.conninfo, self.options)
-        self.listener.open()
+        if self.listener.open():
+            # a new session: notifications may have been missed since the last one
+            self.pending.update(self._subs)
         return self.listener
 
     # -- claiming ----------------------------------------------------------------------
@@ -354,7 +357,7 @@ class Consumer:
 
     def wake(self, wake: Wakeups) -> float | None:
         """Note what notifications said; return a due time that is new, if any."""
-        woken = [self._tokens[t] for t in wake.queues if t in self._tokens]
+        woken = [queue for queue in wake.queues if queue in self._subs]
         self.pending.update(woken)
         self._renotified.update(q for q in woken if q in self._inflight)
         return self._note_due(wake.due)

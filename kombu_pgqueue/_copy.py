@@ -27,11 +27,14 @@ def load_staged(
     *,
     ordered: bool = True,
     binary: bool = False,
+    gate: bool = False,
 ) -> int:
     """Load ``rows`` (in :data:`STAGING_COLUMNS` order) into the queue in one transaction.
 
     Returns how many were inserted: a dedup key already waiting or running is
-    skipped. Consumers get one NOTIFY per queue at commit. Messages without an ETA,
+    skipped. Consumers get one NOTIFY per queue at commit (with ``gate``, only
+    queues that a consumer waits for: for a transaction as short as the broker's own,
+    see the top of sql/queries.sql). Messages without an ETA,
     for queues without a TTL, are first tried by COPY straight into the queue table
     (the fast path: no staging table, no INSERT ... ON CONFLICT); if a dedup key is
     taken, that COPY is undone and its rows take the staging path with the rest.
@@ -57,11 +60,13 @@ def load_staged(
             if _copy_direct(conn, statements, direct, binary):
                 inserted = len(direct)
                 ready = sorted({row[0] for row in direct})
-                conn.execute(statements["notify_ready"], {"channel": channel, "queues": ready})
+                conn.execute(
+                    statements["notify_ready"], {"channel": channel, "queues": ready, "gate": gate}
+                )
             else:
                 staged = rows  # all of them, in their order
         if staged:
-            inserted += _copy_staged(conn, schema, staged, channel, ordered, binary)
+            inserted += _copy_staged(conn, schema, staged, channel, ordered, binary, gate)
     return inserted
 
 
@@ -104,6 +109,7 @@ def _copy_staged(
     channel: str,
     ordered: bool,
     binary: bool,
+    gate: bool,
 ) -> int:
     statements = _sql.queries(schema)
     with _errors.staging(conn, schema):
@@ -111,6 +117,6 @@ def _copy_staged(
     types = [kind for _, kind in STAGING_COLUMNS] if binary else None
     _copy(conn, statements["copy_staging_binary" if binary else "copy_staging"], rows, types)
     found = conn.execute(
-        statements["publish_staged"], {"channel": channel, "ordered": ordered}
+        statements["publish_staged"], {"channel": channel, "ordered": ordered, "gate": gate}
     ).fetchall()
     return int(found[0][0]) if found else 0

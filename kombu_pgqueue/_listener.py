@@ -5,18 +5,32 @@ rows visible. Payloads are ``r:<token>`` (messages are ready in the queue of tha
 token, see :func:`queue_token`) or ``d:<epoch>`` (a delayed message falls due then).
 Any role that may connect can LISTEN on the channel, or NOTIFY on it: payloads name no
 queue, and a wakeup that was not a publisher's only costs a claim that finds nothing.
+
+Publishers notify only queues that somebody waits for: the listening session *watches*
+the queues its consumer consumes (advisory locks, see the top of ``sql/queries.sql``), so
+a publish to a queue nobody consumes sends no NOTIFY, whose commit signals every
+listening session of the database.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import psycopg
+from psycopg import sql
 
-from . import _pool
+from . import _pool, _sql
 from ._options import Options
+
+logger = logging.getLogger(__name__)
+
+#: how long watching a queue waits for publishes in flight (each holds its lock until
+#: its commit); past that, one that did not see the consumer is found by the safety poll
+BARRIER_TIMEOUT_MS = 2000
 
 
 def queue_token(queue: str) -> str:
@@ -27,15 +41,18 @@ def queue_token(queue: str) -> str:
 
 @dataclass(slots=True)
 class Wakeups:
-    """What a batch of notifications said: tokens of queues with news, a due time."""
+    """What a batch of notifications said: watched queues with news, a due time."""
 
+    #: token -> name of the queues watched
+    tokens: dict[str, str]
     queues: set[str] = field(default_factory=set)
     due: float | None = None
 
     def add(self, payload: str) -> None:
         kind, _, rest = payload.partition(":")
         if kind == "r":
-            self.queues.add(rest)
+            if rest in self.tokens:
+                self.queues.add(self.tokens[rest])
         elif kind == "d":
             try:
                 when = float(rest)
@@ -53,12 +70,48 @@ class Listener:
         self.options = options
         self.conn: psycopg.Connection | None = None
         self._pid = os.getpid()
+        self._q = _sql.queries(options.schema)
+        #: the queues this session watches (holds the waiting lock of), by token
+        self.watched: dict[str, str] = {}
 
-    def open(self) -> None:
+    def open(self) -> bool:
+        """Connect if not connected; True if this opened a new session (which watches
+        what the last one did: notifications may have been missed in between)."""
         if self.conn is not None and not self.conn.closed and self._pid == os.getpid():
-            return
+            return False
+        if self._pid != os.getpid():
+            self.conn = None  # the parent's session, not ours to use
         self.conn = _pool.listening(self.conninfo, self.options)
         self._pid = os.getpid()
+        self.conn.execute(sql.SQL("SET lock_timeout = {}").format(sql.Literal(BARRIER_TIMEOUT_MS)))
+        queues, self.watched = self.watched, {}
+        self.watch(queues.values())
+        return True
+
+    def watch(self, queues: Iterable[str]) -> None:
+        """From now on, publishes to ``queues`` notify; those that looked before have
+        committed when this returns (or, if they take longer than BARRIER_TIMEOUT_MS,
+        the safety poll finds them)."""
+        new = sorted(set(queues) - set(self.watched.values()))
+        if not new or self.conn is None:
+            return
+        params = {"channel": self.options.channel, "queues": new}
+        self.conn.execute(self._q["watch"], params)
+        self.watched.update((queue_token(queue), queue) for queue in new)
+        try:
+            self.conn.execute(self._q["watch_barrier"], params)
+        except (psycopg.errors.LockNotAvailable, psycopg.errors.DeadlockDetected) as exc:
+            logger.debug("pgqueue: watching %s without waiting for publishes: %s", new, exc)
+
+    def unwatch(self, queues: Iterable[str]) -> None:
+        """Publishes to ``queues`` need not notify for this consumer any more."""
+        gone = sorted(set(self.watched.values()).intersection(queues))
+        if not gone:
+            return
+        for queue in gone:
+            del self.watched[queue_token(queue)]
+        if self.conn is not None and not self.conn.closed:
+            self.conn.execute(self._q["unwatch"], {"channel": self.options.channel, "queues": gone})
 
     def fileno(self) -> int:
         assert self.conn is not None
@@ -67,7 +120,7 @@ class Listener:
     def wait(self, timeout: float | None) -> Wakeups:
         """Block up to ``timeout`` seconds for notifications; return all that came."""
         assert self.conn is not None
-        found = Wakeups()
+        found = Wakeups(self.watched)
         for notify in self.conn.notifies(timeout=timeout, stop_after=1):
             found.add(notify.payload)
         if found:

@@ -70,7 +70,9 @@ class Store(Connected):
                 # a bulk load may take longer than one statement should
                 conn.execute("SET statement_timeout = 0")
                 try:
-                    return load_staged(conn, self.options.schema, self.options.channel, rows)
+                    return load_staged(
+                        conn, self.options.schema, self.options.channel, rows, gate=True
+                    )
                 finally:
                     if not conn.closed:
                         conn.execute(_pool.statement_timeout(self.options))

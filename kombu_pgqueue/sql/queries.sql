@@ -3,6 +3,19 @@
 -- runs alone in autocommit, so each one is its own transaction, and a NOTIFY it
 -- sends goes out exactly when its rows become visible.
 -- Time is a parameter (NULL = the server's clock), so tests move it instead of sleeping.
+--
+-- Publishes notify only a queue somebody waits for. A consumer's LISTEN session holds a
+-- shared advisory lock on (1885827415 'pgqW', hashtext(channel || ':' || queue)) while it
+-- consumes the queue (statement watch). A publish with %(gate)s first takes
+-- (1885827408 'pgqP', the same key) shared until its commit, and then tries that key of
+-- 'pgqW' exclusively (and lets go at once): if it can, nobody waits, and it sends no
+-- NOTIFY (whose commit would otherwise signal every listening session of the database and
+-- hold the cluster's notify lock across its WAL flush). A consumer that starts waiting
+-- takes 'pgqW' first and then 'pgqP' exclusively (watch_barrier), which waits for every
+-- publish that may have looked before it: those have committed when its first claim
+-- runs. A publish that cannot take 'pgqP' (a consumer is arming) notifies. Publishes in
+-- an application's transaction (%(gate)s false) always notify: they must not hold
+-- 'pgqP' for as long as the application's transaction lasts.
 
 -- name: publish :one
 -- One message. A due message wakes consumers ('r:' + the queue's token: the first 16
@@ -51,13 +64,20 @@ WITH inserted AS (
 )
 SELECT
     inserted.id,
-    pg_notify(
+    CASE WHEN CASE
+            WHEN NOT %(gate)s::boolean THEN true
+            WHEN NOT pg_try_advisory_xact_lock_shared(1885827408, hashtext(%(channel)s::text || ':' || %(queue)s)) THEN true
+            WHEN pg_try_advisory_lock(1885827415, hashtext(%(channel)s::text || ':' || %(queue)s))
+                THEN NOT pg_advisory_unlock(1885827415, hashtext(%(channel)s::text || ':' || %(queue)s))
+            ELSE true
+        END
+    THEN pg_notify(
         %(channel)s,
         CASE WHEN inserted.delayed
             THEN 'd:' || extract(EPOCH FROM inserted.next_iteration)::text
             ELSE 'r:' || left(md5(convert_to(%(queue)s, 'UTF8')), 16)
         END
-    )
+    ) END
 FROM inserted;
 
 -- name: publish_many :many
@@ -102,6 +122,7 @@ WITH inserted AS (
 ),
 wake AS (
     SELECT DISTINCT
+        queue,
         CASE WHEN delayed
             THEN 'd:' || extract(EPOCH FROM min(next_iteration) FILTER (WHERE delayed) OVER ())::text
             ELSE 'r:' || left(md5(convert_to(queue, 'UTF8')), 16)
@@ -110,7 +131,14 @@ wake AS (
 )
 SELECT
     (SELECT count(*) FROM inserted) AS inserted,
-    pg_notify(%(channel)s, wake.payload)
+    CASE WHEN CASE
+            WHEN NOT %(gate)s::boolean THEN true
+            WHEN NOT pg_try_advisory_xact_lock_shared(1885827408, hashtext(%(channel)s::text || ':' || wake.queue)) THEN true
+            WHEN pg_try_advisory_lock(1885827415, hashtext(%(channel)s::text || ':' || wake.queue))
+                THEN NOT pg_advisory_unlock(1885827415, hashtext(%(channel)s::text || ':' || wake.queue))
+            ELSE true
+        END
+    THEN pg_notify(%(channel)s, wake.payload) END
 FROM wake;
 
 -- name: publish_routed :many
@@ -150,13 +178,20 @@ inserted AS (
 )
 SELECT
     inserted.queue,
-    pg_notify(
+    CASE WHEN CASE
+            WHEN NOT %(gate)s::boolean THEN true
+            WHEN NOT pg_try_advisory_xact_lock_shared(1885827408, hashtext(%(channel)s::text || ':' || inserted.queue)) THEN true
+            WHEN pg_try_advisory_lock(1885827415, hashtext(%(channel)s::text || ':' || inserted.queue))
+                THEN NOT pg_advisory_unlock(1885827415, hashtext(%(channel)s::text || ':' || inserted.queue))
+            ELSE true
+        END
+    THEN pg_notify(
         %(channel)s,
         CASE WHEN inserted.delayed
             THEN 'd:' || extract(EPOCH FROM inserted.next_iteration)::text
             ELSE 'r:' || left(md5(convert_to(inserted.queue, 'UTF8')), 16)
         END
-    )
+    ) END
 FROM inserted
 -- no binding matched at all (not: every copy was a duplicate): one row, queue NULL
 UNION ALL
@@ -686,7 +721,15 @@ COPY {schema}.message (
 
 -- name: notify_ready :many
 -- Wake consumers of queues that a direct COPY filled; sent at commit.
-SELECT pg_notify(%(channel)s, 'r:' || left(md5(convert_to(ready.queue, 'UTF8')), 16))
+SELECT
+    CASE WHEN CASE
+            WHEN NOT %(gate)s::boolean THEN true
+            WHEN NOT pg_try_advisory_xact_lock_shared(1885827408, hashtext(%(channel)s::text || ':' || ready.queue)) THEN true
+            WHEN pg_try_advisory_lock(1885827415, hashtext(%(channel)s::text || ':' || ready.queue))
+                THEN NOT pg_advisory_unlock(1885827415, hashtext(%(channel)s::text || ':' || ready.queue))
+            ELSE true
+        END
+    THEN pg_notify(%(channel)s, 'r:' || left(md5(convert_to(ready.queue, 'UTF8')), 16)) END
 FROM unnest(%(queues)s::text[]) AS ready (queue);
 
 -- name: publish_staged :many
@@ -719,6 +762,7 @@ WITH inserted AS (
 ),
 wake AS (
     SELECT DISTINCT
+        queue,
         CASE WHEN delayed
             THEN 'd:' || extract(EPOCH FROM min(next_iteration) FILTER (WHERE delayed) OVER ())::text
             ELSE 'r:' || left(md5(convert_to(queue, 'UTF8')), 16)
@@ -727,7 +771,14 @@ wake AS (
 )
 SELECT
     (SELECT count(*) FROM inserted) AS inserted,
-    pg_notify(%(channel)s, wake.payload)
+    CASE WHEN CASE
+            WHEN NOT %(gate)s::boolean THEN true
+            WHEN NOT pg_try_advisory_xact_lock_shared(1885827408, hashtext(%(channel)s::text || ':' || wake.queue)) THEN true
+            WHEN pg_try_advisory_lock(1885827415, hashtext(%(channel)s::text || ':' || wake.queue))
+                THEN NOT pg_advisory_unlock(1885827415, hashtext(%(channel)s::text || ':' || wake.queue))
+            ELSE true
+        END
+    THEN pg_notify(%(channel)s, wake.payload) END
 FROM wake;
 
 -- name: schema_installed :one
@@ -759,3 +810,25 @@ SELECT
     inet_server_port() AS port
 FROM pg_catalog.pg_database AS d
 WHERE d.datname = current_database();
+
+-- name: watch :none
+-- A consumer's LISTEN session starts waiting for these queues: publishes to them notify
+-- from now on (see the top of this file). Session locks, gone with the session.
+SELECT pg_advisory_lock_shared(1885827415, hashtext(%(channel)s::text || ':' || q.name))
+FROM unnest(%(queues)s::text[]) AS q (name);
+
+-- name: watch_barrier :none
+-- Then waits for the publishes that looked for a waiting consumer before watch: they
+-- hold 'pgqP' shared until they commit. In key order, so that two consumers arming at
+-- once do not deadlock; the lock ends with this statement's own transaction.
+SELECT pg_advisory_xact_lock(1885827408, keys.k)
+FROM (
+    SELECT DISTINCT hashtext(%(channel)s::text || ':' || q.name) AS k
+    FROM unnest(%(queues)s::text[]) AS q (name)
+    ORDER BY 1
+) AS keys;
+
+-- name: unwatch :none
+-- The consumer no longer consumes these queues.
+SELECT pg_advisory_unlock_shared(1885827415, hashtext(%(channel)s::text || ':' || q.name))
+FROM unnest(%(queues)s::text[]) AS q (name);

@@ -10,7 +10,7 @@ import pytest
 from kombu import Connection
 from psycopg import sql
 
-from kombu_pgqueue._listener import queue_token
+from kombu_pgqueue._listener import Listener, queue_token
 from kombu_pgqueue._store import Outgoing, Store, new_lease
 
 Later = Callable[[float], datetime]
@@ -44,11 +44,17 @@ def test_publish_dedup_key_stores_one_message(store: Store) -> None:
 
 
 def test_publish_notifies_the_schema_channel_with_the_queues_token(store: Store, dsn: str) -> None:
-    with psycopg.connect(dsn, autocommit=True) as listener:
-        listener.execute(sql.SQL("LISTEN {}").format(sql.Identifier(store.options.channel)))
-        store.publish(outgoing("wake me", "x"))
-        store.publish(outgoing("ünï ☃", "x"))
-        payloads = [n.payload for n in listener.notifies(timeout=5, stop_after=2)]
+    watching = Listener(dsn, store.options)  # as a consumer of both queues
+    watching.open()
+    watching.watch(["wake me", "ünï ☃"])
+    try:
+        with psycopg.connect(dsn, autocommit=True) as listener:
+            listener.execute(sql.SQL("LISTEN {}").format(sql.Identifier(store.options.channel)))
+            store.publish(outgoing("wake me", "x"))
+            store.publish(outgoing("ünï ☃", "x"))
+            payloads = [n.payload for n in listener.notifies(timeout=5, stop_after=2)]
+    finally:
+        watching.close()
 
     # the statement's token is the consumer's (queue names are not in notifications)
     assert payloads == ["r:" + queue_token("wake me"), "r:" + queue_token("ünï ☃")]

@@ -211,7 +211,7 @@ def test_a_wakeup_during_a_short_claim_keeps_the_queue_pending(
     consumer.pending.add("ctn")
     consumer.deliver_pending()
     # a NOTIFY for a message committed after the claim's snapshot arrives meanwhile
-    consumer.wake(Wakeups(queues={queue_token("ctn")}, due=None))
+    consumer.wake(Wakeups({queue_token("ctn"): "ctn"}, queues={"ctn"}, due=None))
     _take_answer(conn, "ctn")
 
     assert got == [0]

@@ -28,7 +28,8 @@ def test_notifications_do_not_name_the_queues(connection: Connection, dsn: str) 
     Queue(secret, Exchange("billing", "direct"), routing_key="k")(
         connection.default_channel
     ).declare()
-    with psycopg.connect(dsn, autocommit=True) as observer:
+    consumed = [Queue(secret), Queue("direct")]
+    with psycopg.connect(dsn, autocommit=True) as observer, Consumer(connection, consumed):
         observer.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
 
         Producer(connection).publish("direct", routing_key=secret)

@@ -1,0 +1,135 @@
+"""Publishes notify only queues that a consumer waits for.
+
+A NOTIFY costs every listening session of the database a wakeup at each commit, and its
+commit holds the cluster's notify lock across the WAL flush: a publish to a queue that
+nobody consumes must not send one. A consumer that starts while a publish is committing
+must still get that message without waiting for the safety poll.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import psycopg
+import pytest
+from kombu import Connection, Consumer, Exchange, Producer, Queue
+from psycopg import sql
+
+from kombu_pgqueue import bulk
+from kombu_pgqueue._listener import queue_token
+from kombu_pgqueue._sql import queries
+from tests.waiting import wait_for
+
+SENTINEL = "sentinel"
+
+
+@pytest.fixture
+def observer(connection: Connection, dsn: str) -> Iterator[psycopg.Connection]:
+    """A session that LISTENs on the broker's channel, as a worker's listener does."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(
+            sql.SQL("LISTEN {}").format(sql.Identifier(connection.transport.options.channel))
+        )
+        yield conn
+
+
+def _sent(observer: psycopg.Connection, connection: Connection) -> list[str]:
+    """What was notified so far: a sentinel NOTIFY from another session marks the end
+    (notifications arrive in commit order)."""
+    channel = connection.transport.options.channel
+    with psycopg.connect(observer.info.dsn, autocommit=True) as other:
+        other.execute("SELECT pg_notify(%s, %s)", [channel, SENTINEL])
+    payloads: list[str] = []
+    for notify in observer.notifies(timeout=10):
+        if notify.payload == SENTINEL:
+            return payloads
+        payloads.append(notify.payload)
+    raise AssertionError(f"the sentinel did not arrive; got {payloads}")
+
+
+def _token(queue: str) -> str:
+    return "r:" + queue_token(queue)
+
+
+def test_a_publish_to_a_queue_nobody_consumes_notifies_nobody(
+    connection: Connection, observer: psycopg.Connection
+) -> None:
+    Exchange("fan", "fanout")(connection.default_channel).declare()
+    Queue("routed", Exchange("fan", "fanout"))(connection.default_channel).declare()
+    producer = Producer(connection)
+
+    producer.publish("direct", routing_key="unwatched")
+    producer.publish("routed", exchange="fan", routing_key="")
+    bulk.publish_many(connection, ["a", "b"], routing_key="unwatched")
+
+    assert _sent(observer, connection) == []
+
+
+def test_a_publish_to_a_consumed_queue_notifies_until_the_consumer_cancels(
+    connection: Connection, make_connection, observer: psycopg.Connection
+) -> None:
+    Exchange("fan", "fanout")(connection.default_channel).declare()
+    Queue("routed", Exchange("fan", "fanout"))(connection.default_channel).declare()
+    worker = make_connection()
+    producer = Producer(connection)
+    with Consumer(worker, [Queue("watched"), Queue("routed")], callbacks=[]):
+        producer.publish("direct", routing_key="watched")
+        producer.publish("routed", exchange="fan", routing_key="")
+        producer.publish("not this one", routing_key="other")
+        bulk.publish_many(connection, ["a", "b"], routing_key="watched")
+        assert _sent(observer, connection) == [_token("watched"), _token("routed")] + [
+            _token("watched")
+        ]
+    producer.publish("after the cancel", routing_key="watched")
+    assert _sent(observer, connection) == []
+
+
+def test_a_consumer_that_starts_while_a_publish_commits_gets_it_without_polling(
+    make_connection, dsn: str, schema: str
+) -> None:
+    """The publish looked for a waiting consumer before the consumer started waiting,
+    and commits after it: the consumer's first claim must wait for that commit."""
+    worker = make_connection(polling_interval=3600)
+    channel = worker.transport.options.channel
+    publish = queries(schema)["publish"]
+    got: list[object] = []
+    with psycopg.connect(dsn) as publisher:  # a transaction, open until commit()
+        publisher.execute(
+            publish,
+            {
+                "queue": "late",
+                "priority": 0,
+                "eta": None,
+                "expires_at": None,
+                "dedup_key": None,
+                "body": b'"in flight"',
+                "content_type": "application/json",
+                "content_encoding": "utf-8",
+                "headers": "{}",
+                "properties": "{}",
+                "replace": False,
+                "channel": channel,
+                "gate": True,
+            },
+        )
+        consumer = Consumer(
+            worker, [Queue("late")], callbacks=[lambda body, m: (got.append(body), m.ack())]
+        )
+        started = threading.Thread(target=consumer.consume)
+        started.start()
+        with psycopg.connect(dsn, autocommit=True) as watcher:
+            # the consumer waits for the publish's commit
+            wait_for(
+                lambda: watcher.execute(
+                    "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'"
+                    " AND classid = 1885827408 AND NOT granted"
+                ).fetchone()[0],  # type: ignore[index]
+                timeout=10,
+                what="the consumer waiting for the publish in flight",
+            )
+        publisher.commit()
+        started.join(timeout=10)
+    worker.drain_events(timeout=10)
+    consumer.cancel()
+    assert got == ["in flight"]
