@@ -14,7 +14,9 @@ psycopg, no JDBC: COPY into a staging table, then ``INSERT ... ON CONFLICT (queu
 DO NOTHING`` (the broker's ``copy_staging`` and ``publish_staged`` statements), which wakes
 consumers with one NOTIFY per queue at commit. Rows reach Python as Arrow batches when
 pyarrow and pandas are installed (``pyspark[sql]``; also what Spark Connect needs), else as
-pickled rows.
+pickled rows. From Arrow batches whose columns are strings and integers, for messages
+without an ETA or expiry, the messages are built a column at a time (``_columns``); rows
+with other text, nulls or bad values go through the per-row builder as before.
 
 Idempotent: every row carries a dedup key, ``<task>:<key column>``, or without a key column
 ``celery:<task id>:0`` with the task id a UUID5 of the task name and arguments. A Spark task

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from celery import Celery
     from pyspark.sql import DataFrame, SparkSession
 
+from ._columns import _Columns
 from ._messages import _Template
 from ._results import EnqueueSummary, PartitionResult, _summary
 from ._rows import _Layout, _when
@@ -66,9 +67,12 @@ def _layout(
     missing = [n for n in names if n not in df.columns]
     if missing:
         raise ValueError(f"no such columns in the DataFrame: {missing} (it has {df.columns})")
-    quoted = ["`" + n.replace("`", "``") + "`" for n in names]
+    # a column named twice (an argument and the key) crosses to Python once
+    unique = list(dict.fromkeys(names))
+    quoted = ["`" + n.replace("`", "``") + "`" for n in unique]
     selected = df.select(*[F.col(q).alias(f"_{i}") for i, q in enumerate(quoted)])
-    types = [field.dataType.typeName() for field in selected.schema.fields]
+    spread = tuple(unique.index(n) for n in names)
+    types = [selected.schema.fields[i].dataType.typeName() for i in spread]
     first_extra = len(names) - len(extras)
     position = {k: names.index(v, first_extra) for k, v in extras.items()}
     for name in ("eta", "expires"):
@@ -83,6 +87,8 @@ def _layout(
         nargs=nargs,
         kwnames=kwnames,
         nkeys=nkeys,
+        spread=spread,
+        types=tuple(types),
         priority=position.get("priority"),
         eta=position.get("eta"),
         expires=position.get("expires"),
@@ -154,6 +160,10 @@ def enqueue_dataframe(
         keyed=bool(keys),
     )
     spark = df.sparkSession
+    # by columns: messages without an ETA or expiry, of one priority (the plan checks
+    # the column types)
+    by_columns = arrow and eta is None and expires is None and not extras
+    columns = _Columns.plan(template, layout) if by_columns else None
     writer = _Writer(
         template=template,
         layout=layout,
@@ -166,6 +176,7 @@ def enqueue_dataframe(
         max_failures=_max_failures(spark),
         dry_run=dry_run,
         after_partition=after_partition,
+        columns=columns,
     )
     with _job_description(spark, f"pgqueue: enqueue {task} into {template.queue!r}"):
         if arrow:

@@ -23,7 +23,9 @@ _SCALARS = frozenset({str, int, float, bool, type(None)})
 class _Layout:
     """Where each part of a message sits in the selected row."""
 
-    names: tuple[str, ...]  # the selected columns, in order
+    names: tuple[str, ...]  # the columns a row holds, in order
+    spread: tuple[int, ...]  # where each of names is among the columns Spark sends
+    types: tuple[str, ...]  # Spark's type name of each of names
     nargs: int
     kwnames: tuple[str, ...]
     nkeys: int

@@ -14,6 +14,7 @@ import psycopg
 
 from kombu_pgqueue import admin
 
+from ._columns import _Columns
 from ._messages import _Template
 from ._results import PartitionResult
 from ._rows import _builder, _Layout, _Tally
@@ -34,9 +35,13 @@ class _Writer:
     max_failures: int
     dry_run: bool
     after_partition: Callable[[PartitionResult], None] | None
+    columns: _Columns | None = None  # Arrow batches built by columns, where the layout allows
 
     def rows_partition(self, partition: int, rows: Iterable[Any]) -> Iterator[dict[str, Any]]:
-        yield self._run(partition, rows)
+        spread = self.layout.spread
+        if spread != tuple(range(len(spread))):
+            rows = (tuple([row[i] for i in spread]) for row in rows)
+        yield self._run(partition, lambda tally: list(self._messages(rows, tally)))
 
     def arrow_partition(self, batches: Iterator[Any]) -> Iterator[Any]:
         import pyarrow as pa
@@ -44,8 +49,27 @@ class _Writer:
 
         context = TaskContext.get()
         partition = context.partitionId() if context is not None else 0
-        outcome = self._run(partition, self._arrow_rows(batches))
+        batches = self._spread(batches)
+        if self.columns is None:
+            outcome = self._run(
+                partition, lambda tally: list(self._messages(self._arrow_rows(batches), tally))
+            )
+        else:
+            outcome = self._run(partition, lambda tally: self._by_columns(batches, tally))
         yield pa.RecordBatch.from_pylist([{"outcome": json.dumps(outcome)}])
+
+    def _spread(self, batches: Iterator[Any]) -> Iterator[Any]:
+        """Batches with a column for each of the layout's names (Spark sends each once)."""
+        import pyarrow as pa
+
+        spread = self.layout.spread
+        if spread == tuple(range(len(spread))):
+            return batches
+        names = [f"_{i}" for i in range(len(spread))]
+        return (
+            pa.RecordBatch.from_arrays([batch.column(i) for i in spread], names=names)
+            for batch in batches
+        )
 
     @staticmethod
     def _arrow_rows(batches: Iterator[Any]) -> Iterator[tuple[Any, ...]]:
@@ -61,7 +85,9 @@ class _Writer:
                     columns.append(column.to_pylist())
             yield from zip(*columns)
 
-    def _run(self, partition: int, rows: Iterable[Any]) -> dict[str, Any]:
+    def _run(
+        self, partition: int, messages: Callable[[_Tally], list[tuple[Any, ...]]]
+    ) -> dict[str, Any]:
         from pyspark import TaskContext
 
         context = TaskContext.get()
@@ -69,7 +95,7 @@ class _Writer:
         tally = _Tally(partition, attempt, self.max_bad_rows)
         error = None
         try:
-            self._write(rows, tally)
+            self._write(messages, tally)
             if self.after_partition is not None:
                 self.after_partition(tally.result())
         except Exception as exc:
@@ -78,11 +104,11 @@ class _Writer:
             error = f"{type(exc).__name__}: {exc}"
         return {"result": asdict(tally.result()), "error": error, "bad_rows": tally.bad_rows}
 
-    def _write(self, rows: Iterable[Any], tally: _Tally) -> None:
+    def _write(self, build: Callable[[_Tally], list[tuple[Any, ...]]], tally: _Tally) -> None:
         started = perf_counter()
         # built in full first: load_staged may have to send them twice (a taken key
         # sends the direct COPY's rows the staging way)
-        messages = list(self._messages(rows, tally))
+        messages = build(tally)
         built = perf_counter()
         tally.copy_seconds = built - started
         if not messages or self.dry_run:
@@ -95,7 +121,27 @@ class _Writer:
             )
         tally.insert_seconds = perf_counter() - built
 
-    def _messages(self, rows: Iterable[Any], tally: _Tally) -> Iterator[tuple[Any, ...]]:
+    def _by_columns(self, batches: Iterator[Any], tally: _Tally) -> list[tuple[Any, ...]]:
+        """A partition's messages, whole batches at a time; rows the plan leaves out
+        (not plain, or bad) go through the per-row builder."""
+        assert self.columns is not None
+        messages: list[tuple[Any, ...]] = []
+        offset = 0
+        for batch in batches:
+            built, others = self.columns.build(batch)
+            messages += built
+            if others:
+                rows = self._arrow_rows(iter([batch.take(others)]))
+                messages += self._messages(rows, tally, positions=[offset + i for i in others])
+            offset += batch.num_rows
+        tally.rows = offset
+        return messages
+
+    def _messages(
+        self, rows: Iterable[Any], tally: _Tally, positions: list[int] | None = None
+    ) -> Iterator[tuple[Any, ...]]:
+        """Rows built one by one; ``positions`` (the rows' places in the partition) when
+        they are some of its rows, else they are all of them, counted into ``tally``."""
         layout = self.layout
         build = _builder(
             self.template, layout, allow_nulls=self.allow_nulls, eta=self.eta, expires=self.expires
@@ -105,8 +151,10 @@ class _Writer:
             for index, row in enumerate(rows):
                 built = build(row)
                 if isinstance(built, str):
-                    tally.reject(index, built, row, layout)
+                    where = index if positions is None else positions[index]
+                    tally.reject(where, built, row, layout)
                 else:
                     yield built
         finally:
-            tally.rows = index + 1
+            if positions is None:
+                tally.rows = index + 1
