@@ -1,37 +1,43 @@
 """The ``listeners`` group: what NOTIFY costs a publish when many workers listen.
 
 Every consuming pgqueue transport (one per Celery worker, idle or not, whatever queues it
-consumes) holds one connection that LISTENs on its schema's channel, and every publish
-statement NOTIFYs that channel. PostgreSQL (15 here) takes a cluster-wide lock at the
-commit of any transaction that notified, holds it across the WAL flush, and then signals
-every backend of the database that LISTENs (on any channel), each of which wakes, reads
-the notification queue and sends the notification to its client.
+consumes) holds one connection that LISTENs on its schema's channel. A publish NOTIFYs
+that channel only when a consumer waits for its queue (the consumer's listening session
+*watches* it: an advisory lock, see the top of ``kombu_pgqueue/sql/queries.sql``; a
+consumer with a backlog stops watching until it has drained the queue). PostgreSQL (15
+here) takes a cluster-wide lock at the commit of any transaction that notified, holds it
+across the WAL flush, and then signals every backend of the database that LISTENs (on
+any channel), each of which wakes, reads the notification queue and sends the
+notification to its client.
 
 So an idle worker is represented here by exactly what it costs the server: one session
 that LISTENs on the broker's channel (``kombu_pgqueue._options.notify_channel``) and
 reads every notification it is sent, as a worker's listener does (a worker then drops
 tokens of queues it does not consume, in Python, on its own machine). The listening
 sessions are held by a few spawned processes, up to 125 sessions each, reading their
-sockets with epoll.
+sockets with epoll. Two cases for each count of listening sessions:
+
+- *none waiting*: no consumer watches the queue published to (the workers consume other
+  queues, or are busy with a backlog of this one): the publishes send no NOTIFY;
+- *waiting*: a consumer waits for the queue (a ``kombu_pgqueue._listener.Listener`` that
+  watches it, one more listening session): every publish notifies, and PostgreSQL 15
+  signals every listening session.
 
 The measurements run on a throwaway cluster of the benchmark's own (``tests/clusters.py``:
 initdb into a temporary directory, another port, ``max_connections`` raised to 600; fsync
 and synchronous_commit as PostgreSQL's defaults), so that nothing else listens there and
 the shared server is left alone. For each count of listening sessions (1, 50, 200, 500),
 one publisher process runs Kombu's ``Producer.publish`` (default exchange, the ``publish``
-statement) for a window, once as shipped and once with the statement's ``pg_notify(...)``
-replaced by NULL (``scale.strip_notify``: what "notify only when it can matter" would
-give when nobody waits for the queue), alternating which goes first; the message table is
-truncated between windows. Then 8 publisher processes, both ways, with 1 and 200
-listening sessions (the cluster-wide lock is held across each commit's WAL flush); and
-one publisher with 200 sessions that listen on another channel, which nobody notifies
-(what one channel per queue would give: PostgreSQL 15 signals them all the same).
+statement) for a window in each case, alternating which goes first; the message table is
+truncated between windows. Then 8 publisher processes, both cases, with 1 and 200
+listening sessions (the cluster-wide lock is held across each notifying commit's WAL
+flush, so notifying commits cannot share a flush).
 
 Server CPU per publish = CPU-seconds of the cluster's processes (the postmaster, its
 children, and children reaped during the window) / publishes. Listener CPU per publish =
 the listening processes' CPU (on this machine; in production it is on the workers'
-machines). Listening counts go up in run 1, down in run 2, and so on, and every
-notification a listener should have had is checked for.
+machines). Listening counts go up in run 1, down in run 2, and so on, and when a
+consumer waits, every notification a listener should have had is checked for.
 """
 
 from __future__ import annotations
@@ -56,55 +62,56 @@ CHUNKS = (1, 49, 75, 75, 100, 100, 100)  # cumulative: 1, 50, 125, 200, 300, 400
 #: listening sessions with which 8 publishers are measured
 MANY_AT = (1, 200)
 MANY = 8
-#: sessions that listen on a channel nobody notifies (PostgreSQL 15 signals them all the same)
-OTHER = 200
 MAX_CONNECTIONS = 600
 
 LISTENER_FIGURES: dict[str, tuple[str, str, str]] = {}
 for _n in COUNTS:
-    LISTENER_FIGURES[f"lst_rate_{_n}"] = (f"Publish, {_n} listening", "msg/s", "higher")
-for _n in COUNTS:
-    LISTENER_FIGURES[f"lst_rate_plain_{_n}"] = (
-        f"Publish without NOTIFY, {_n} listening",
+    LISTENER_FIGURES[f"lst_rate_{_n}"] = (
+        f"Publish, {_n} listening, none waiting",
         "msg/s",
         "higher",
     )
-LISTENER_FIGURES["lst_ratio_200"] = ("Publish rate, 200 listening / 1", "x", "higher")
 for _n in COUNTS:
-    LISTENER_FIGURES[f"lst_cpu_{_n}"] = (f"Server CPU per publish, {_n} listening", "us", "lower")
+    LISTENER_FIGURES[f"lst_rate_waiting_{_n}"] = (
+        f"Publish, {_n} listening, a consumer waiting",
+        "msg/s",
+        "higher",
+    )
+LISTENER_FIGURES["lst_ratio_200"] = ("Publish rate, 200 listening / 1, none waiting", "x", "higher")
+LISTENER_FIGURES["lst_ratio_waiting_200"] = (
+    "Publish rate, 200 listening / 1, a consumer waiting",
+    "x",
+    "higher",
+)
 for _n in COUNTS:
-    LISTENER_FIGURES[f"lst_cpu_plain_{_n}"] = (
-        f"Server CPU per publish without NOTIFY, {_n} listening",
+    LISTENER_FIGURES[f"lst_cpu_{_n}"] = (
+        f"Server CPU per publish, {_n} listening, none waiting",
         "us",
         "lower",
     )
 for _n in COUNTS:
-    LISTENER_FIGURES[f"lst_client_{_n}"] = (
-        f"Listeners' CPU per publish, {_n} listening",
+    LISTENER_FIGURES[f"lst_cpu_waiting_{_n}"] = (
+        f"Server CPU per publish, {_n} listening, a consumer waiting",
+        "us",
+        "lower",
+    )
+for _n in COUNTS:
+    LISTENER_FIGURES[f"lst_client_waiting_{_n}"] = (
+        f"Listeners' CPU per publish, {_n} listening, a consumer waiting",
         "us",
         "lower",
     )
 for _n in MANY_AT:
     LISTENER_FIGURES[f"lst_many_{_n}"] = (
-        f"Publish, {MANY} processes, {_n} listening",
+        f"Publish, {MANY} processes, {_n} listening, none waiting",
         "msg/s",
         "higher",
     )
-    LISTENER_FIGURES[f"lst_many_plain_{_n}"] = (
-        f"Publish without NOTIFY, {MANY} processes, {_n} listening",
+    LISTENER_FIGURES[f"lst_many_waiting_{_n}"] = (
+        f"Publish, {MANY} processes, {_n} listening, a consumer waiting",
         "msg/s",
         "higher",
     )
-LISTENER_FIGURES[f"lst_other_{OTHER}"] = (
-    f"Publish, {OTHER} listening on another channel",
-    "msg/s",
-    "higher",
-)
-LISTENER_FIGURES[f"lst_cpu_other_{OTHER}"] = (
-    f"Server CPU per publish, {OTHER} listening on another channel",
-    "us",
-    "lower",
-)
 
 
 # -- the cluster -------------------------------------------------------------------------------
@@ -214,20 +221,37 @@ def _truncate(dsn: str, schema: str) -> None:
         conn.execute("CHECKPOINT")
 
 
+@contextlib.contextmanager
+def _waiting(dsn: str, schema: str, queue: str, waiting: bool) -> Iterator[None]:
+    """A consumer that waits for ``queue`` (its listening session watches it), if
+    ``waiting``."""
+    if not waiting:
+        yield
+        return
+    from kombu_pgqueue._listener import Listener
+    from kombu_pgqueue._options import parse_options
+
+    listener = Listener(dsn, parse_options({"schema": schema}))
+    listener.open()
+    listener.watch([queue])
+    try:
+        yield
+    finally:
+        listener.close()
+
+
 def _measure(
-    c: Any, fleet: Fleet, lst: Listeners, seconds: float, notify: bool, schema: str
+    c: Any, fleet: Fleet, lst: Listeners, seconds: float, waiting: bool, schema: str, queue: str
 ) -> tuple[Window, float, float, int]:
     """One window: (what the fleet did, server CPU-s, listeners' CPU-s, missed notifications)."""
-    from kombu_pgqueue._options import notify_channel
-
-    fleet_channel = notify_channel(schema)
     _truncate(c.dsn, schema)
-    had = lst.received()
-    cpu0, client0 = server_cpu(str(c.datadir)), proc_cpu(lst.pids())
-    w = fleet.run(seconds, notify)
-    cpu1, client1 = server_cpu(str(c.datadir)), proc_cpu(lst.pids())
+    with _waiting(c.dsn, schema, queue, waiting):
+        had = lst.received()
+        cpu0, client0 = server_cpu(str(c.datadir)), proc_cpu(lst.pids())
+        w = fleet.run(seconds)
+        cpu1, client1 = server_cpu(str(c.datadir)), proc_cpu(lst.pids())
     missed = 0
-    if notify and lst.channel == fleet_channel:
+    if waiting:
         # the listeners may lag the publishers: give them a moment to read what was sent
         want = had + lst.count * (w.published + 20 * len(fleet.procs))
         deadline = time.monotonic() + 10
@@ -263,13 +287,15 @@ def bench_listeners(ctx: Ctx) -> dict[str, list[float]]:
                 for n in counts:
                     lst.resize(n)
                     order = (True, False) if (run + counts.index(n)) % 2 == 0 else (False, True)
-                    for notify in order:
-                        w, cpu, client, missed = _measure(c, one, lst, seconds, notify, schema)
-                        tag = "" if notify else "plain_"
+                    for waiting in order:
+                        w, cpu, client, missed = _measure(
+                            c, one, lst, seconds, waiting, schema, queue
+                        )
+                        tag = "waiting_" if waiting else ""
                         put(f"lst_rate_{tag}{n}", w.rate)
                         put(f"lst_cpu_{tag}{n}", cpu / w.published * 1e6)
-                        if notify:
-                            put(f"lst_client_{n}", client / w.published * 1e6)
+                        if waiting:
+                            put(f"lst_client_waiting_{n}", client / w.published * 1e6)
                             if missed:
                                 ctx.problem(
                                     "pgqueue",
@@ -277,34 +303,24 @@ def bench_listeners(ctx: Ctx) -> dict[str, list[float]]:
                                     f"{missed} notifications never reached {n} listeners",
                                 )
                         log(
-                            f"    {n:3d} listening, {'NOTIFY' if notify else 'plain '}: "
+                            f"    {n:3d} listening, {'waiting' if waiting else 'none   '}: "
                             f"{w.rate:7.0f} msg/s, server {cpu / w.published * 1e6:6.0f} us, "
                             f"listeners {client / w.published * 1e6:6.0f} us per publish"
                         )
                     if n in MANY_AT:
-                        for notify in order:
-                            w, cpu, _, _ = _measure(c, many, lst, seconds, notify, schema)
-                            tag = "" if notify else "plain_"
+                        for waiting in order:
+                            w, cpu, _, _ = _measure(c, many, lst, seconds, waiting, schema, queue)
+                            tag = "waiting_" if waiting else ""
                             put(f"lst_many_{tag}{n}", w.rate)
                             log(
                                 f"    {n:3d} listening, {MANY} publishers, "
-                                f"{'NOTIFY' if notify else 'plain '}: {w.rate:7.0f} msg/s, "
+                                f"{'waiting' if waiting else 'none   '}: {w.rate:7.0f} msg/s, "
                                 f"server {cpu / w.published * 1e6:6.0f} us per publish"
                             )
                 put("lst_ratio_200", out["lst_rate_200"][-1] / out["lst_rate_1"][-1])
-                # the same sessions on a channel of their own: what per-queue channels give
-                lst.resize(0)
-                other = Listeners(c.dsn, f"{schema}_other.notify")
-                try:
-                    other.resize(OTHER)
-                    w, cpu, _, _ = _measure(c, one, other, seconds, True, schema)
-                finally:
-                    other.close()
-                put(f"lst_other_{OTHER}", w.rate)
-                put(f"lst_cpu_other_{OTHER}", cpu / w.published * 1e6)
-                log(
-                    f"    {OTHER} listening on another channel, NOTIFY: {w.rate:7.0f} msg/s, "
-                    f"server {cpu / w.published * 1e6:6.0f} us per publish"
+                put(
+                    "lst_ratio_waiting_200",
+                    out["lst_rate_waiting_200"][-1] / out["lst_rate_waiting_1"][-1],
                 )
         finally:
             one.close()

@@ -226,15 +226,13 @@ class Consumer:
 
         With a claimer (an event loop with asynchronous claims), this only sends the
         claims (see :meth:`on_claimed`), except for no-ack queues (a take deletes what
-        it hands out, so it must be delivered at once), when ``inline``, and when
-        nothing was delivered for IDLE_INLINE_SECONDS (the loop is idle: the claim is
-        quicker here) unless called from the loop's tick callbacks (``in_tick``):
-        Celery's prefork pool schedules the writes of the tasks handed to it in a tick
-        callback of its own, and a task handed over in a tick callback that runs after
-        it waits for the next tick, which comes after a poll that can sleep until the
-        next timer (2 to 5 s in the chaos listenkill scenario). The claim's answer comes
-        back on a readable socket instead, and tasks delivered from a reader are
-        written at once.
+        it hands out), when ``inline``, and when nothing was delivered for
+        IDLE_INLINE_SECONDS (the claim is quicker here) unless called from the loop's
+        tick callbacks (``in_tick``): Celery's prefork pool writes the tasks handed to
+        it in a tick callback of its own, and a task handed over in a later one waits
+        for the next tick, after a poll that can sleep until the next timer (2 to 5 s
+        in the chaos listenkill scenario); tasks delivered from a reader (the claim's
+        answer on a readable socket) are written at once.
         """
         delivered = 0
         for queue in list(self.pending):
@@ -259,7 +257,7 @@ class Consumer:
             payloads = self.fetch(queue, limit, sub.no_ack, sub.sink)
             error, rest = self._hand_out(queue, limit, payloads)
             if error is not None:
-                self._release_payloads(rest)
+                self.held.release_payloads(rest)
                 raise error
             delivered += len(payloads)
         return delivered
@@ -290,7 +288,7 @@ class Consumer:
                 continue
             error, rest = self._hand_out(queue, limit, payloads, renotified)
             undelivered.extend(rest)  # and the later batches, as error is set now
-        self._release_payloads(undelivered)
+        self.held.release_payloads(undelivered)
         if error is not None:
             raise error
         self.deliver_pending()
@@ -326,6 +324,12 @@ class Consumer:
                 self._poisoned(queue, payload, exc)
             except BaseException as exc:  # the process is exiting: hand the rest back
                 return exc, payloads[n + 1 :]
+        listener = self.listener
+        if listener is not None and queue in self._subs:
+            backlog = 1 < limit <= len(payloads)
+            if listener.turn(queue, backlog=backlog, pending=queue in self.pending):
+                self.wake(listener.drain())
+                self.pending.add(queue)  # once more, after the publishes that looked
         return None, []
 
     def _poisoned(self, queue: str, payload: dict[str, Any], exc: Exception) -> None:
@@ -338,10 +342,6 @@ class Consumer:
             sub = self._subs.get(queue)
             if sub is not None:
                 sub.sink.forget(tag)
-
-    def _release_payloads(self, payloads: list[dict[str, Any]]) -> None:
-        tags = [payload["properties"]["delivery_tag"] for payload in payloads]
-        self.held.release(self.held.settle_all(tags))  # no-ack ones are gone already
 
     def stop_claimer(self) -> None:
         claimer, self.claimer = self.claimer, None

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Iterable
-from typing import Protocol
+from typing import Any, Protocol
 
 from . import _counters, atomic, codec
 from ._acks import AckBatcher
@@ -217,6 +217,11 @@ class Held:
         for tag in tags:
             self._undecodable.pop(tag, None)
         self.release(self.settle_all(tags), uncount=False)
+
+    def release_payloads(self, payloads: list[dict[str, Any]]) -> None:
+        """Hand back claimed messages that no callback saw (no-ack ones are gone)."""
+        tags = [payload["properties"]["delivery_tag"] for payload in payloads]
+        self.release(self.settle_all(tags))
 
     def release(self, held: list[tuple[int, int]], *, uncount: bool = True) -> None:
         """Hand back ``held`` (id, lease) pairs; ``uncount``: they never reached a

@@ -103,6 +103,23 @@ class Listener:
         except (psycopg.errors.LockNotAvailable, psycopg.errors.DeadlockDetected) as exc:
             logger.debug("pgqueue: watching %s without waiting for publishes: %s", new, exc)
 
+    def turn(self, queue: str, *, backlog: bool, pending: bool) -> bool:
+        """A claim from ``queue`` came back: watch it only while it is not known to
+        hold more. A full batch (``backlog``) leaves it pending, claimed again without
+        a NOTIFY, so publishes to it need not send one (each notifying commit signals
+        every listening session of the database and keeps publishers' commits from
+        sharing a WAL flush). Once drained (not ``pending``), it is watched again; True
+        then: claim once more, as publishes that looked meanwhile have committed."""
+        watched = queue_token(queue) in self.watched
+        if backlog:
+            if watched:
+                self.unwatch([queue])
+            return False
+        if pending or watched:
+            return False
+        self.watch([queue])
+        return True
+
     def unwatch(self, queues: Iterable[str]) -> None:
         """Publishes to ``queues`` need not notify for this consumer any more."""
         gone = sorted(set(self.watched.values()).intersection(queues))

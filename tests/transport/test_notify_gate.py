@@ -133,3 +133,27 @@ def test_a_consumer_that_starts_while_a_publish_commits_gets_it_without_polling(
     worker.drain_events(timeout=10)
     consumer.cancel()
     assert got == ["in flight"]
+
+
+def test_a_consumer_with_a_backlog_is_not_notified_until_it_has_drained_the_queue(
+    connection: Connection, make_connection, observer: psycopg.Connection
+) -> None:
+    producer = Producer(connection)
+    for i in range(10):
+        producer.publish(i, routing_key="busy")
+    worker = make_connection()
+    got: list[object] = []
+    with Consumer(
+        worker, [Queue("busy")], callbacks=[lambda body, m: (got.append(body), m.ack())]
+    ) as consumer:
+        consumer.qos(prefetch_count=4)
+        worker.drain_events(timeout=5)  # a full batch: more is waiting
+        producer.publish("while busy", routing_key="busy")
+        assert _sent(observer, connection) == []
+
+        while len(got) < 11:
+            worker.drain_events(timeout=5)
+        producer.publish("once drained", routing_key="busy")
+        assert _sent(observer, connection) == [_token("busy")]
+        worker.drain_events(timeout=5)
+    assert got == [*range(10), "while busy", "once drained"]
