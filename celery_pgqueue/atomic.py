@@ -197,7 +197,10 @@ class _Attempt:
         """
         delivery = self.delivery
         try:
-            if delivery is not None and not self.fence.ack(self.enlisted, delivery):
+            if delivery is None:
+                self.transaction.commit()
+            elif not self.fence.commit(self.transaction, self.enlisted, delivery):
+                self.transaction.rollback()  # nothing of this attempt stays
                 where = self.fence.holder(self.enlisted, delivery)
                 self._end()
                 raise Reject(
@@ -209,7 +212,6 @@ class _Attempt:
                     ),
                     requeue=True,
                 )
-            self.transaction.commit()
         except Reject:
             raise
         except Exception as exc:
