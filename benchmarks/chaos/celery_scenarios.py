@@ -333,15 +333,16 @@ def dbrestart(ctx: Context) -> Result:
 
 
 def _listeners(conn: psycopg.Connection, schema: str) -> list[int]:
+    """The workers' listening sessions: they hold the watch locks of the schema's queues
+    (see the top of kombu_pgqueue/sql/queries.sql)."""
     channel = notify_channel(schema)
-    return [
-        r[0]
-        for r in conn.execute(
-            "SELECT pid FROM pg_stat_activity "
-            "WHERE query ILIKE 'LISTEN%%' AND position(%s in query) > 0",
-            (channel,),
-        )
-    ]
+    watched = sql.SQL(
+        "SELECT DISTINCT l.pid FROM pg_locks AS l"
+        " WHERE l.locktype = 'advisory' AND l.classid = 1885827415 AND l.granted"
+        " AND l.objid IN (SELECT ((hashtext(%s || ':' || q.name)::bigint + 4294967296)"
+        " %% 4294967296)::oid FROM {}.queue AS q)"
+    ).format(sql.Identifier(schema))
+    return [r[0] for r in conn.execute(watched, (channel,))]
 
 
 def listenkill(ctx: Context) -> Result:
