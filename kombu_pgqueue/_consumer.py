@@ -11,11 +11,14 @@ delivers through one callable (Kombu's ``Transport._deliver``); the transport ca
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+import psycopg
 
 from . import _counters, codec
 from ._claimer import Claimer
@@ -100,9 +103,8 @@ class Consumer:
         self._subs[queue] = _Subscription(sink, no_ack)
         self._state(sink)
         listener = self.ensure_listener()
-        if listener is not None:  # notified from now on; read what came meanwhile
-            listener.watch([queue])
-            self.wake(listener.drain())
+        if listener is not None:  # notified from now on
+            self.wake(listener.watch([queue]))
         self.pending.add(queue)
         self.next_poll = 0.0  # its delayed messages' due times
         self.held.keep_leases()
@@ -112,7 +114,8 @@ class Consumer:
         if sub is not None and sub.sink is sink:
             del self._subs[queue]
             if self.listener is not None:
-                self.listener.unwatch([queue])
+                with contextlib.suppress(psycopg.Error):  # a lost session holds nothing
+                    self.wake(self.listener.unwatch([queue]))
         self.pending.discard(queue)
 
     @property
@@ -159,14 +162,11 @@ class Consumer:
     def batch_limit(self, sink: Sink) -> int:
         """How many messages ``sink`` should claim now (0: not yet).
 
-        Within the prefetch window, but not one slot at a time: while the channel
-        still holds more than a quarter of its window (and more than one message), it
-        waits (CLAIM_BATCH_WAIT at most), so a worker refills in batches instead of
-        paying a claim per task. A quarter, not half: a Celery prefork -c 2 worker
-        (window 8) then claims 6 at a time instead of 4, and its main process, which
-        bounds the drain rate, spent 269 instead of 318 us per no-op task
-        (benchmarks/probes/drain_cpu.py); what it still holds keeps the pool busy
-        meanwhile.
+        Within the prefetch window, but not one slot at a time: while the channel still
+        holds more than a quarter of its window (and more than one message), it waits
+        (CLAIM_BATCH_WAIT at most). A quarter, not half: a prefork -c 2 worker (window
+        8) then claims 6 at a time, not 4, and its main process spent 269 instead of 318
+        us per no-op task (benchmarks/probes/drain_cpu.py).
         """
         room = sink.room()
         if room is None:
@@ -183,10 +183,7 @@ class Consumer:
         return room
 
     def _state(self, sink: Sink) -> _SinkState:
-        state = self._sinks.get(id(sink))
-        if state is None:
-            state = self._sinks[id(sink)] = _SinkState()
-        return state
+        return self._sinks.setdefault(id(sink), _SinkState())
 
     def request(self, queue: str, sink: Sink, limit: int) -> ClaimRequest:
         """How to claim from ``queue`` now: from its head, or after its last message."""
@@ -324,12 +321,14 @@ class Consumer:
                 self._poisoned(queue, payload, exc)
             except BaseException as exc:  # the process is exiting: hand the rest back
                 return exc, payloads[n + 1 :]
-        listener = self.listener
-        if listener is not None and queue in self._subs:
-            backlog = 1 < limit <= len(payloads)
-            if listener.turn(queue, backlog=backlog, pending=queue in self.pending):
-                self.wake(listener.drain())
-                self.pending.add(queue)  # once more, after the publishes that looked
+        if self.listener is not None and queue in self._subs:
+            try:
+                backlog, pending = 1 < limit <= len(payloads), queue in self.pending
+                woken = self.listener.turn(queue, backlog=backlog, pending=pending)
+            except Exception as exc:  # the listening session is lost: reconnect
+                return exc, []
+            if woken is not None:
+                self.wake(woken)
         return None, []
 
     def _poisoned(self, queue: str, payload: dict[str, Any], exc: Exception) -> None:
@@ -339,8 +338,7 @@ class Consumer:
         try:
             self.held.poisoned(queue, tag, exc)
         finally:
-            sub = self._subs.get(queue)
-            if sub is not None:
+            if (sub := self._subs.get(queue)) is not None:
                 sub.sink.forget(tag)
 
     def stop_claimer(self) -> None:

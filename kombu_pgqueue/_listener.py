@@ -88,13 +88,14 @@ class Listener:
         self.watch(queues.values())
         return True
 
-    def watch(self, queues: Iterable[str]) -> None:
+    def watch(self, queues: Iterable[str]) -> Wakeups:
         """From now on, publishes to ``queues`` notify; those that looked before have
         committed when this returns (or, if they take longer than BARRIER_TIMEOUT_MS,
-        the safety poll finds them)."""
+        the safety poll finds them). Returns what was notified meanwhile, and the
+        queues newly watched as if notified: claim from them once more."""
         new = sorted(set(queues) - set(self.watched.values()))
         if not new or self.conn is None:
-            return
+            return Wakeups(self.watched)
         params = {"channel": self.options.channel, "queues": new}
         self.conn.execute(self._q["watch"], params)
         self.watched.update((queue_token(queue), queue) for queue in new)
@@ -102,33 +103,33 @@ class Listener:
             self.conn.execute(self._q["watch_barrier"], params)
         except (psycopg.errors.LockNotAvailable, psycopg.errors.DeadlockDetected) as exc:
             logger.debug("pgqueue: watching %s without waiting for publishes: %s", new, exc)
+        woken = self.drain()
+        woken.queues.update(new)
+        return woken
 
-    def turn(self, queue: str, *, backlog: bool, pending: bool) -> bool:
+    def turn(self, queue: str, *, backlog: bool, pending: bool) -> Wakeups | None:
         """A claim from ``queue`` came back: watch it only while it is not known to
         hold more. A full batch (``backlog``) leaves it pending, claimed again without
         a NOTIFY, so publishes to it need not send one (each notifying commit signals
         every listening session of the database and keeps publishers' commits from
-        sharing a WAL flush). Once drained (not ``pending``), it is watched again; True
-        then: claim once more, as publishes that looked meanwhile have committed."""
+        sharing a WAL flush). Once drained (not ``pending``), it is watched again.
+        Returns what the statements' results brought along (see :meth:`watch`), or
+        None when nothing changed."""
         watched = queue_token(queue) in self.watched
         if backlog:
-            if watched:
-                self.unwatch([queue])
-            return False
-        if pending or watched:
-            return False
-        self.watch([queue])
-        return True
+            return self.unwatch([queue]) if watched else None
+        return None if pending or watched else self.watch([queue])
 
-    def unwatch(self, queues: Iterable[str]) -> None:
-        """Publishes to ``queues`` need not notify for this consumer any more."""
+    def unwatch(self, queues: Iterable[str]) -> Wakeups:
+        """Publishes to ``queues`` need not notify for this consumer any more. Returns
+        what was notified meanwhile (the socket's readiness went to the statement)."""
         gone = sorted(set(self.watched.values()).intersection(queues))
-        if not gone:
-            return
         for queue in gone:
             del self.watched[queue_token(queue)]
-        if self.conn is not None and not self.conn.closed:
-            self.conn.execute(self._q["unwatch"], {"channel": self.options.channel, "queues": gone})
+        if not gone or self.conn is None or self.conn.closed:
+            return Wakeups(self.watched)
+        self.conn.execute(self._q["unwatch"], {"channel": self.options.channel, "queues": gone})
+        return self.drain()
 
     def fileno(self) -> int:
         assert self.conn is not None
