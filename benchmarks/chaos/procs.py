@@ -200,22 +200,6 @@ def pg_running() -> bool:
     return out.returncode == 0
 
 
-def pg_restart() -> None:
-    subprocess.run(
-        [
-            "pg_ctlcluster",
-            "--skip-systemctl-redirect",
-            PG_VERSION,
-            PG_CLUSTER,
-            "restart",
-            "-m",
-            "fast",
-        ],
-        check=True,
-        capture_output=True,
-    )
-
-
 def pg_ensure_running() -> None:
     """Start the system server if it is down (it is shared: never leave it stopped)."""
     if not pg_running():

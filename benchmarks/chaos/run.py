@@ -26,7 +26,14 @@ if __package__ in (None, ""):  # run as a file: hand over to `python -m benchmar
         sys.exit(f"run it from the repository root {_root}: python -m benchmarks.chaos ...")
     os.execv(sys.executable, [sys.executable, "-m", "benchmarks.chaos", *sys.argv[1:]])
 
-from benchmarks.chaos import atomic, celery_scenarios, failover, kombu_scenarios, procs  # noqa: E402
+from benchmarks.chaos import (  # noqa: E402
+    atomic,
+    celery_scenarios,
+    failover,
+    kombu_scenarios,
+    procs,
+    server_scenarios,
+)
 from benchmarks.chaos.context import Context, Result  # noqa: E402
 
 DEFAULT_DSN = "postgresql://postgres@127.0.0.1:5432/test"
@@ -97,6 +104,8 @@ def run_one(ctx: Context, name: str, args: argparse.Namespace) -> Result:
             result = failover.failover(ctx)
         elif name == "atomic":
             result = atomic.atomic(ctx)
+        elif name in ("dbrestart", "listenkill"):
+            result = getattr(server_scenarios, name)(ctx)
         else:
             result = getattr(celery_scenarios, name)(ctx)
     except Exception:  # noqa: BLE001 - one broken scenario must not hide the others
