@@ -28,7 +28,7 @@ from .orchestrate import Results, run_all
 from .peers import cleanup, make_brokers, probe
 from .report import code_state, write_report
 
-DEFAULT_BROKERS = "pgqueue,pgqueue_async,redis,rabbitmq,rabbitmq_confirm,sqla"
+DEFAULT_BROKERS = "pgqueue,pgqueue_async,pgqueue_fast,redis,rabbitmq,rabbitmq_confirm,sqla"
 
 
 def parser() -> argparse.ArgumentParser:

@@ -1,4 +1,4 @@
-"""The brokers side by side: pgqueue (and its asynchronous-commit variant), Redis, RabbitMQ
+"""The brokers side by side: pgqueue (its asynchronous-commit and fast variants), Redis, RabbitMQ
 (and with publisher confirms), Kombu's SQLAlchemy transport; reaching them, their queues,
 and removing everything a run left on them."""
 
@@ -45,6 +45,14 @@ def make_brokers(settings: Settings, prefix: str) -> dict[str, Broker]:
             "pgqueue_async",
             pgqueue_url,
             {"schema": f"{prefix}_async", "synchronous_commit": "off"},
+            url_via=lambda port: settings.pg_url("pgqueue", via_port=port),
+        ),
+        # the fast mode: on top of that, a publish does not wait for its statement
+        # (confirm_publish=False), as RabbitMQ's default publish does not wait for the broker
+        "pgqueue_fast": Broker(
+            "pgqueue_fast",
+            pgqueue_url,
+            {"schema": f"{prefix}_fast", "synchronous_commit": "off", "confirm_publish": False},
             url_via=lambda port: settings.pg_url("pgqueue", via_port=port),
         ),
         "redis": Broker("redis", settings.redis_url),

@@ -38,13 +38,18 @@ def cell(vals: list[float] | None) -> str:
     return f"{fmt(med)} [{fmt(min(vals))}-{fmt(max(vals))}]"
 
 
+#: pgqueue's opt-in variants (benchmarks/peers.py), shown with ratios of their own
+VARIANTS = ("pgqueue_async", "pgqueue_fast")
+
+
 def build_table(ctx: Ctx, results: Results, groups: list[str]) -> list[list[str]]:
     names = list(ctx.brokers)
     peers = [n for n in names if not n.startswith("pgqueue")]
-    variant = "pgqueue_async" if "pgqueue_async" in names else None
+    # the opt-in variants, each with its ratios against the peers beside pgqueue's
+    variants = [n for n in VARIANTS if n in names]
     header = ["figure", "unit", "better"] + names + [f"pg/{p}" for p in peers]
-    if variant:
-        header += [f"async/{p}" for p in peers]
+    for variant in variants:
+        header += [f"{variant.removeprefix('pgqueue_')}/{p}" for p in peers]
     rows = [header]
     for group in groups:
         for key in GROUP_FIGURES[group]:
@@ -58,7 +63,7 @@ def build_table(ctx: Ctx, results: Results, groups: list[str]) -> list[list[str]
                     row.append("absent")
                 elif group in ONLY_FOR and n not in ONLY_FOR[group]:
                     row.append("n/a")
-                elif n in ("pgqueue_async", "rabbitmq_confirm") and group not in VARIANT_GROUPS:
+                elif n in (*VARIANTS, "rabbitmq_confirm") and group not in VARIANT_GROUPS:
                     row.append("n/a")
                 elif not per.get(n):
                     row.append(
@@ -66,7 +71,7 @@ def build_table(ctx: Ctx, results: Results, groups: list[str]) -> list[list[str]
                     )
                 else:
                     row.append(cell(per[n]))
-            for ours in ["pgqueue"] + ([variant] if variant else []):
+            for ours in ["pgqueue", *variants]:
                 pg = per.get(ours)
                 for p in peers:
                     pv = per.get(p)

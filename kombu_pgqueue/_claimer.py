@@ -27,16 +27,15 @@ import select
 import struct
 import time
 from collections.abc import Callable
-from datetime import datetime
 from typing import Any
 
-from psycopg import errors, pq
+from psycopg import pq
 
-from . import _pool
+from . import _libpq, _pool
 from ._store import Store
 from .records import ClaimRequest, ClaimResult, Delivered
 
-BINARY = pq.Format.BINARY
+BINARY = _libpq.BINARY
 _FLOAT8 = struct.Struct(">d")
 
 logger = logging.getLogger(__name__)
@@ -51,17 +50,6 @@ _CLAIM_COLUMN_TYPES = (20, 21, 23, 17, 25, 25, 25, 25, 701)  # int8 int2 int4 by
 
 #: the statements a claimer sends (see Store.claim_params)
 CLAIM_STATEMENTS = ("claim", "claim_after")
-
-
-def _text_param(value: Any) -> bytes | None:
-    """A parameter in PostgreSQL's text format (the statement's context gives its type)."""
-    if value is None:
-        return None
-    if isinstance(value, bool):
-        return b"t" if value else b"f"
-    if isinstance(value, datetime):
-        return value.isoformat().encode()
-    return str(value).encode()
 
 
 def _int(value: bytes) -> int:
@@ -158,29 +146,15 @@ class Claimer:
             self._current = request
 
     def _send(self, name: str, params: dict[str, Any]) -> None:
-        text, keys = self._store.positional(name)
-        values = [_text_param(params[key]) for key in keys]
-        if name in self._prepared:
-            self._pgconn.send_query_prepared(name.encode(), values, result_format=BINARY)
-        else:
-            # not prepared (prepare_threshold None, as behind PgBouncer in transaction
-            # mode): parsed and planned each time, as psycopg does then
-            self._pgconn.send_query_params(text, values, result_format=BINARY)
+        _libpq.send(self._pgconn, self._store, self._prepared, name, params, BINARY)
 
     def _prepare(self, names: tuple[str, ...]) -> None:
         # here, not at the first claim: preparing waits for the table's lock, and the
         # event loop must not (a claim itself waits in the database, not in the loop)
-        for name in names:
-            text, keys = self._store.positional(name)
-            result = self._pgconn.prepare(name.encode(), text)
-            if result.status != pq.ExecStatus.COMMAND_OK:
-                self._raise(name, result)
-            self._prepared[name] = keys
+        self._prepared.update(_libpq.prepare(self._pgconn, self._store, names, self._encoding))
 
     def _raise(self, name: str, result: pq.abc.PGresult) -> None:
-        error = errors.error_from_result(result, encoding=self._encoding)
-        with self._store.translated(name):
-            raise error
+        raise _libpq.result_error(self._store, name, result, self._encoding)
 
     def _collect(self) -> bool:
         """Take what arrived of the claim in flight; True once it is complete."""

@@ -60,6 +60,11 @@ Transport options
   publishes several times faster on slow disks but a database crash can lose the last
   few hundred milliseconds of published messages, as Redis without AOF can. Off by
   default; benchmarked separately.
+* ``confirm_publish`` (bool, True): a publish returns once committed. False: one outside
+  :func:`kombu_pgqueue.transaction` (bulk ones aside) returns once sent, on a pipelined
+  connection per process; a refused message is logged and counted (``publish_failed``),
+  a broken connection raises at the next publish (``publish_lost``: maybe stored). See
+  docs/configuration.md. Not with ``unroutable="raise"``.
 * ``callback_errors`` (``"dead_letter"`` or ``"raise"``, ``"dead_letter"``): what happens
   when the consumer's callback raises on a message (a Celery worker's does on a task
   message of the wrong shape, and would exit). ``"dead_letter"`` moves that message to
@@ -127,6 +132,7 @@ class Options:
     pool_max_size: int = 8
     pool_timeout: float = 30.0
     prepare_threshold: int | None = 5
+    confirm_publish: bool = True
     callback_errors: str = "dead_letter"
     unroutable: str = "warn"
     statement_timeout: float = 30.0
@@ -160,20 +166,14 @@ def _number(name: str, value: Any, *, minimum: float, integer: bool = False) -> 
     return number
 
 
+_TRUE, _FALSE = frozenset({"1", "true", "yes", "on"}), frozenset({"0", "false", "no", "off"})
+
+
 def _flag(name: str, value: Any) -> bool:
     if isinstance(value, bool):
         return value
-    if isinstance(value, str) and value.lower() in {
-        "1",
-        "true",
-        "yes",
-        "on",
-        "0",
-        "false",
-        "no",
-        "off",
-    }:
-        return value.lower() in {"1", "true", "yes", "on"}
+    if isinstance(value, str) and value.lower() in _TRUE | _FALSE:
+        return value.lower() in _TRUE
     raise ConfigurationError(f"transport option {name!r} must be true or false, got {value!r}")
 
 
@@ -220,7 +220,7 @@ def notify_channel(schema: str) -> str:
 FOREIGN_OPTIONS = frozenset(
     {
         "max_retries", "interval_start", "interval_step", "interval_max", "errback",
-        "confirm_publish", "fanout_prefix", "fanout_patterns", "global_keyprefix", "sep",
+        "fanout_prefix", "fanout_patterns", "global_keyprefix", "sep",
         "priority_steps", "queue_order_strategy", "socket_timeout", "socket_connect_timeout",
         "health_check_interval", "master_name", "region", "predefined_queues",
         "client_properties", "heartbeat", "ack_emulation", "unacked_mutex_expire",
@@ -293,33 +293,29 @@ def parse_options(transport_options: Mapping[str, Any]) -> Options:
         kwargs["prepare_threshold"] = (
             None if value is None else _number("prepare_threshold", value, minimum=0, integer=True)
         )
-    if topts.get("unroutable") is not None:
-        if topts["unroutable"] not in ("warn", "raise"):
-            raise ConfigurationError(
-                "transport option 'unroutable' must be 'warn' or 'raise', "
-                f"got {topts['unroutable']!r}"
-            )
-        kwargs["unroutable"] = topts["unroutable"]
-    if topts.get("callback_errors") is not None:
-        if topts["callback_errors"] not in ("dead_letter", "raise"):
-            raise ConfigurationError(
-                "transport option 'callback_errors' must be 'dead_letter' or 'raise', "
-                f"got {topts['callback_errors']!r}"
-            )
-        kwargs["callback_errors"] = topts["callback_errors"]
+    for name, choices in (
+        ("unroutable", ("warn", "raise")),
+        ("callback_errors", ("dead_letter", "raise")),
+    ):
+        if topts.get(name) is not None:
+            if topts[name] not in choices:
+                raise ConfigurationError(
+                    f"transport option {name!r} must be {choices[0]!r} or {choices[1]!r}, "
+                    f"got {topts[name]!r}"
+                )
+            kwargs[name] = topts[name]
     if "claim_thread" in topts and "async_claims" not in topts:
         topts["async_claims"] = topts["claim_thread"]  # its name before 2026-11-24
-    for name in (
-        "listen",
-        "auto_migrate",
-        "batch_acks",
-        "async_claims",
-        "dedup_task_ids",
-        "relax_consumer_commits",
-    ):
+    for name in (f.name for f in fields(Options) if f.type == "bool"):  # the flags
         if name in topts:
             kwargs[name] = _flag(name, topts[name])
     options = Options(**kwargs)
+    if not options.confirm_publish and options.unroutable == "raise":
+        raise ConfigurationError(
+            "transport options 'confirm_publish': False and 'unroutable': 'raise' do not go "
+            "together: an unconfirmed publish has returned before the server routes it "
+            "(set unroutable='warn', or keep confirm_publish)"
+        )
     if options.renewal_interval >= options.visibility_timeout:
         raise ConfigurationError(
             "transport option 'lease_renewal_interval' must be shorter than "

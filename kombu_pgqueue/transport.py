@@ -48,7 +48,7 @@ from kombu.transport import base, virtual
 from kombu.transport.virtual.base import Empty  # type: ignore[attr-defined]
 from kombu.utils.objects import cached_property
 
-from . import codec
+from . import _pipelined, codec
 from ._connected import CONNECTION_ERRORS
 from ._consumer import Consumer
 from ._loop import LoopDriver, drain
@@ -78,6 +78,7 @@ class Channel(virtual.Channel):
         # kept here: Kombu clears channel.connection when the channel closes
         self.consumer: Consumer = connection.consumer
         self._task_keys: codec.TaskKeys = "publish" if connection.options.dedup_task_ids else None
+        self._confirm, self._unroutable = connection.options.confirm_publish, connection.unroutable
 
     @property
     def store(self) -> Store:
@@ -230,10 +231,13 @@ class Channel(virtual.Channel):
         self._inplace_augment_message(message, exchange, routing_key)  # type: ignore[no-untyped-call]
         if exchange:
             check_name("exchange", exchange)
-            check_name("routing key", routing_key or "")
+            key = check_name("routing key", routing_key or "")
             outgoing = self._outgoing("", message)
-            if self.store.publish_routed(exchange, routing_key or "", outgoing) is None:
-                self.connection.unroutable.report(exchange, routing_key or "", message)
+            unconfirmed = None if self._confirm else _pipelined.unconfirmed(self.store)
+            if unconfirmed is not None:  # confirm_publish=False: sent without waiting
+                unconfirmed.publish_routed(exchange, key, outgoing, message, self._unroutable)
+            elif self.store.publish_routed(exchange, key, outgoing) is None:
+                self._unroutable.report(exchange, key, message)
         else:
             self._put(routing_key, message)
 
@@ -255,12 +259,20 @@ class Channel(virtual.Channel):
             message.get("properties", {}).get("dedup_replace")
             or (message.get("headers") or {}).get("dedup_replace")
         )
-        if self.store.publish(outgoing, replace=replace) is None:
+        unconfirmed = None if self._confirm else _pipelined.unconfirmed(self.store)
+        if unconfirmed is not None:
+            unconfirmed.publish(outgoing, replace=replace)  # a skip is logged when read
+        elif self.store.publish(outgoing, replace=replace) is None:
             logger.info(
                 "pgqueue: skipped a message for queue %r: dedup key %r is waiting or running",
                 queue,
                 outgoing.dedup_key,
             )
+
+    def close(self) -> None:
+        if not self._confirm and not self.closed:
+            _pipelined.settle(self.store)  # what the server answered is reported
+        super().close()  # type: ignore[no-untyped-call]
 
     # -- consuming -----------------------------------------------------------------
 
@@ -356,6 +368,11 @@ class Transport(virtual.Transport):
         finally:
             self._unregister()
             self.consumer.close()
+
+    def flush_publishes(self, timeout: float | None = None) -> None:
+        """Wait until the server answered every unconfirmed publish of this process to
+        this schema (``confirm_publish=False``), reporting each (see ``_pipelined``)."""
+        _pipelined.flush(self.store, timeout)
 
     def flush_acks(self) -> None:
         """Send pending acks now, so what this transport reads next reflects them."""
