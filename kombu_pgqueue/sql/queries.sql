@@ -6,16 +6,16 @@
 --
 -- Publishes notify only a queue somebody waits for. A consumer's LISTEN session holds a
 -- shared advisory lock on (1885827415 'pgqW', hashtext(channel || ':' || queue)) while it
--- consumes the queue (statement watch). A publish with %(gate)s first takes
--- (1885827408 'pgqP', the same key) shared until its commit, and then tries that key of
--- 'pgqW' exclusively (and lets go at once): if it can, nobody waits, and it sends no
--- NOTIFY (whose commit would otherwise signal every listening session of the database and
--- hold the cluster's notify lock across its WAL flush). A consumer that starts waiting
--- takes 'pgqW' first and then 'pgqP' exclusively (watch_barrier), which waits for every
--- publish that may have looked before it: those have committed when its first claim
--- runs. A publish that cannot take 'pgqP' (a consumer is arming) notifies. Publishes in
--- an application's transaction (%(gate)s false) always notify: they must not hold
--- 'pgqP' for as long as the application's transaction lasts.
+-- waits for the queue (statement watch). A publish with gate (function notify_wanted,
+-- migration 0007) first takes (1885827408 'pgqP', the same key) shared until its
+-- commit, and then tries that key of 'pgqW' exclusively (and lets go at once): if it
+-- can, nobody waits, and it sends no NOTIFY (whose commit would otherwise signal every
+-- listening session of the database, and hold the cluster's notify lock across its WAL
+-- flush). A consumer that starts waiting takes 'pgqW' first and then 'pgqP' exclusively
+-- (watch_barrier), which waits for every publish that may have looked before it: those
+-- have committed when its next claim runs. A publish that cannot take 'pgqP' (a
+-- consumer is arming) notifies. Publishes in an application's transaction (gate false)
+-- always notify: they must not hold 'pgqP' for as long as that transaction lasts.
 
 -- name: publish :one
 -- One message. A due message wakes consumers ('r:' + the queue's token: the first 16
@@ -64,13 +64,7 @@ WITH inserted AS (
 )
 SELECT
     inserted.id,
-    CASE WHEN CASE
-            WHEN NOT %(gate)s::boolean THEN true
-            WHEN NOT pg_try_advisory_xact_lock_shared(1885827408, hashtext(%(channel)s::text || ':' || %(queue)s)) THEN true
-            WHEN pg_try_advisory_lock(1885827415, hashtext(%(channel)s::text || ':' || %(queue)s))
-                THEN NOT pg_advisory_unlock(1885827415, hashtext(%(channel)s::text || ':' || %(queue)s))
-            ELSE true
-        END
+    CASE WHEN {schema}.notify_wanted(%(channel)s, %(queue)s, %(gate)s)
     THEN pg_notify(
         %(channel)s,
         CASE WHEN inserted.delayed
@@ -131,13 +125,7 @@ wake AS (
 )
 SELECT
     (SELECT count(*) FROM inserted) AS inserted,
-    CASE WHEN CASE
-            WHEN NOT %(gate)s::boolean THEN true
-            WHEN NOT pg_try_advisory_xact_lock_shared(1885827408, hashtext(%(channel)s::text || ':' || wake.queue)) THEN true
-            WHEN pg_try_advisory_lock(1885827415, hashtext(%(channel)s::text || ':' || wake.queue))
-                THEN NOT pg_advisory_unlock(1885827415, hashtext(%(channel)s::text || ':' || wake.queue))
-            ELSE true
-        END
+    CASE WHEN {schema}.notify_wanted(%(channel)s, wake.queue, %(gate)s)
     THEN pg_notify(%(channel)s, wake.payload) END
 FROM wake;
 
@@ -178,13 +166,7 @@ inserted AS (
 )
 SELECT
     inserted.queue,
-    CASE WHEN CASE
-            WHEN NOT %(gate)s::boolean THEN true
-            WHEN NOT pg_try_advisory_xact_lock_shared(1885827408, hashtext(%(channel)s::text || ':' || inserted.queue)) THEN true
-            WHEN pg_try_advisory_lock(1885827415, hashtext(%(channel)s::text || ':' || inserted.queue))
-                THEN NOT pg_advisory_unlock(1885827415, hashtext(%(channel)s::text || ':' || inserted.queue))
-            ELSE true
-        END
+    CASE WHEN {schema}.notify_wanted(%(channel)s, inserted.queue, %(gate)s)
     THEN pg_notify(
         %(channel)s,
         CASE WHEN inserted.delayed
@@ -722,13 +704,7 @@ COPY {schema}.message (
 -- name: notify_ready :many
 -- Wake consumers of queues that a direct COPY filled; sent at commit.
 SELECT
-    CASE WHEN CASE
-            WHEN NOT %(gate)s::boolean THEN true
-            WHEN NOT pg_try_advisory_xact_lock_shared(1885827408, hashtext(%(channel)s::text || ':' || ready.queue)) THEN true
-            WHEN pg_try_advisory_lock(1885827415, hashtext(%(channel)s::text || ':' || ready.queue))
-                THEN NOT pg_advisory_unlock(1885827415, hashtext(%(channel)s::text || ':' || ready.queue))
-            ELSE true
-        END
+    CASE WHEN {schema}.notify_wanted(%(channel)s, ready.queue, %(gate)s)
     THEN pg_notify(%(channel)s, 'r:' || left(md5(convert_to(ready.queue, 'UTF8')), 16)) END
 FROM unnest(%(queues)s::text[]) AS ready (queue);
 
@@ -771,13 +747,7 @@ wake AS (
 )
 SELECT
     (SELECT count(*) FROM inserted) AS inserted,
-    CASE WHEN CASE
-            WHEN NOT %(gate)s::boolean THEN true
-            WHEN NOT pg_try_advisory_xact_lock_shared(1885827408, hashtext(%(channel)s::text || ':' || wake.queue)) THEN true
-            WHEN pg_try_advisory_lock(1885827415, hashtext(%(channel)s::text || ':' || wake.queue))
-                THEN NOT pg_advisory_unlock(1885827415, hashtext(%(channel)s::text || ':' || wake.queue))
-            ELSE true
-        END
+    CASE WHEN {schema}.notify_wanted(%(channel)s, wake.queue, %(gate)s)
     THEN pg_notify(%(channel)s, wake.payload) END
 FROM wake;
 
