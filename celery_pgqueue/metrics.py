@@ -39,6 +39,7 @@ DEFAULT_INTERVAL = 10.0
 #: event (kombu_pgqueue.admin.COUNTER_EVENTS) -> metric name (without _total), help, by queue
 COUNTERS = {
     "claimed": ("pgqueue_claimed", "Messages handed out by claims.", True),
+    "empty_claims": ("pgqueue_empty_claims", "Claims that found nothing to hand out.", True),
     "redelivered": ("pgqueue_redelivered", "Claimed messages delivered before.", True),
     "acked": ("pgqueue_acked", "Messages acked.", False),
     "requeued": ("pgqueue_requeued", "Messages rejected with requeue.", False),
@@ -46,6 +47,16 @@ COUNTERS = {
     "renewed": ("pgqueue_lease_renewals", "Leases renewed by the lease keeper.", False),
     "lost_leases": ("pgqueue_lost_leases", "Renewals that found the lease gone.", False),
     "unroutable": ("pgqueue_unroutable", "Messages no binding matched: dropped.", False),
+    "publish_failed": (
+        "pgqueue_publish_failed",
+        "Unconfirmed publishes the server refused (logged).",
+        False,
+    ),
+    "publish_lost": (
+        "pgqueue_publish_lost",
+        "Unconfirmed publishes in flight on a connection that broke (logged).",
+        False,
+    ),
 }
 
 

@@ -201,6 +201,8 @@ class Consumer:
         if rows:
             _counters.add("claimed", queue, len(rows))
             _counters.add("redelivered", queue, sum(row.attempts > 1 for row in rows))
+        else:
+            _counters.add("empty_claims", queue)
         return [codec.payload(row, queue, request.lease) for row in rows]
 
     def fetch(self, queue: str, limit: int, no_ack: bool, sink: Sink) -> list[dict[str, Any]]:

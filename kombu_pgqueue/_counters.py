@@ -12,6 +12,7 @@ from collections import Counter
 #: The events counted, each by queue ("" where the queue is not known).
 EVENTS = (
     "claimed",  # messages handed out by a claim
+    "empty_claims",  # claims that found nothing (a wakeup for a message another took)
     "redelivered",  # of those, deliveries after the first (attempts > 1)
     "acked",  # acks sent (batched acks count when queued)
     "requeued",  # rejected with requeue=True
@@ -19,6 +20,8 @@ EVENTS = (
     "renewed",  # lease renewals that kept the lease
     "lost_leases",  # renewals that found the lease gone (acked meanwhile, or lapsed)
     "unroutable",  # published to an exchange where no binding matched: dropped
+    "publish_failed",  # unconfirmed publishes (confirm_publish=False) the server refused
+    "publish_lost",  # unconfirmed publishes in flight on a connection that broke
 )
 
 _lock = threading.Lock()
