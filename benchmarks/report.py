@@ -120,7 +120,7 @@ Method
   duplicates are reported.
 - Latency: the prefork -c 2 worker, once it has drained its backlog and idled 1 s; the
   producer passes time.time() as the argument, the task appends its own time.time() at
-  start to the same file; sequential, 20 ms apart, 5 warm-up tasks dropped. Includes the
+  start to the same file; sequential, 50 ms apart, 5 warm-up tasks dropped. Includes the
   apply_async call itself. Slow brokers stop at a time cap (at least a minimum sample).
 - Idle cost (PostgreSQL brokers only): an idle prefork -c 2 worker per broker, side by
   side, each connected through its own counting proxy (pgproxy.py) that parses the client

@@ -2,9 +2,8 @@
 
     PROBE_SCHEMA=probe_s PROBE_TRACE=/tmp/probe_trace.log celery -A lat_app worker ...
 
-Each line is ``<epoch seconds> <pid> <event>``. With ``PROBE_STEPS=1`` the worker
-also records when the LISTEN socket became readable, each claim's start and end, and
-when a claim's answer reached the event loop. ``PROBE_NO_IDLE=1`` sends every claim
+Each line is ``<epoch seconds> <pid> <event>`` (hop by hop: ``hops.py``).
+``PROBE_NO_IDLE=1`` sends every claim
 without waiting (the A/B of idle consumers claiming inline). ``PROBE_SWITCH`` sets the
 worker's ``sys.setswitchinterval``; ``PROBE_OPTS`` is JSON merged into the transport
 options (``PROBE_OPTS='{"async_claims": false}'``).
@@ -14,11 +13,10 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any
 
 from celery import Celery
 
-from kombu_pgqueue import transport as pgq
+from kombu_pgqueue import _consumer
 
 SCHEMA = os.environ.get("PROBE_SCHEMA", "probe_s")
 TRACE = os.environ.get("PROBE_TRACE", "/tmp/probe_trace.log")
@@ -38,36 +36,7 @@ def ev(name: str) -> None:
 
 
 if os.environ.get("PROBE_NO_IDLE") == "1":
-    pgq.IDLE_INLINE_SECONDS = 1e9
-
-if os.environ.get("PROBE_STEPS") == "1":
-    _readable = pgq.Transport._on_readable
-    _claimed = pgq.Transport._on_claimed
-
-    def _on_readable(self: Any, fileno: int) -> None:
-        ev("readable")
-        _readable(self, fileno)
-
-    def _on_claimed(self: Any, fileno: int | None = None) -> None:
-        ev("on_claimed")
-        _claimed(self, fileno)
-
-    _claim_job = pgq.Channel.claim_job
-    _claimed_rows = pgq.Channel.claimed
-
-    def claim_job(self: Any, queue: str, limit: int) -> Any:
-        ev("fetch_start")
-        return _claim_job(self, queue, limit)
-
-    def claimed(self: Any, job: Any, rows: Any, took: float) -> Any:
-        ev(f"fetch_end {len(rows)}")
-        return _claimed_rows(self, job, rows, took)
-
-    pgq.Transport._on_readable = _on_readable  # type: ignore[method-assign]
-    pgq.Channel.claim_job = claim_job  # type: ignore[method-assign]
-    pgq.Channel.claimed = claimed  # type: ignore[method-assign]
-    pgq.Transport._on_claimed = _on_claimed  # type: ignore[method-assign]
-
+    _consumer.IDLE_INLINE_SECONDS = 1e9
 
 @app.task(name="lat")
 def lat(sent: float) -> None:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Idle-worker latency, apply_async -> task start, N sequential tasks 30 ms apart, on a
-# prefork -c 2 worker: prints p50/p95/p99 (and, with PROBE_STEPS=1, the p50 of each step).
+# prefork -c 2 worker: prints p50/p95/p99 (each hop: hops.py).
 #   bash benchmarks/probes/latency.sh [N]
 set -euo pipefail
 cd "$(dirname "$0")"
