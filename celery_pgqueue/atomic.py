@@ -197,10 +197,7 @@ class _Attempt:
         """
         delivery = self.delivery
         try:
-            if delivery is None:
-                self.transaction.commit()
-            elif not self.fence.commit(self.transaction, self.enlisted, delivery):
-                self.transaction.rollback()  # nothing of this attempt stays
+            if delivery is not None and not self.fence.ack(self.enlisted, delivery):
                 where = self.fence.holder(self.enlisted, delivery)
                 self._end()
                 raise Reject(
@@ -212,6 +209,7 @@ class _Attempt:
                     ),
                     requeue=True,
                 )
+            self.transaction.commit()
         except Reject:
             raise
         except Exception as exc:

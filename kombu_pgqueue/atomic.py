@@ -151,31 +151,6 @@ class Fence:
         with self._translated("ack_in_transaction"):
             return bool(enlisted.rows(self.schema, self._q["ack_in_transaction"], params))
 
-    def commit(self, transaction: Transaction, enlisted: Enlisted, delivery: Delivery) -> bool:
-        """Delete ``delivery``'s row in ``transaction`` and commit it; False, with nothing
-        committed, when the lease was lost: the caller rolls back.
-
-        On a connection of :class:`Psycopg`'s, the delete and the ``COMMIT`` go in one
-        round trip (statement ``ack_and_commit``); elsewhere, :meth:`ack`, then the
-        transaction's own commit.
-        """
-        if isinstance(transaction, _PsycopgTransaction):
-            return self._ack_and_commit(transaction.handle, delivery)
-        if not self.ack(enlisted, delivery):
-            return False
-        transaction.commit()
-        return True
-
-    def _ack_and_commit(self, conn: psycopg.Connection[Any], delivery: Delivery) -> bool:
-        params = {"id": delivery.message_id, "lease": delivery.lease}
-        # bound on the client, so psycopg sends both statements as one simple query
-        with psycopg.ClientCursor(conn) as cur, self._translated("ack_and_commit"):
-            try:
-                cur.execute(self._q["ack_and_commit"], params)
-            except psycopg.errors.DivisionByZero:  # no row: the statement says so
-                return False
-        return True
-
     def holder(self, enlisted: Enlisted, delivery: Delivery) -> str:
         """Where ``delivery``'s message is now, in words (after :meth:`ack` found nothing)."""
         params = {"id": delivery.message_id, "now": None}

@@ -21,18 +21,3 @@ SELECT
     next_iteration > coalesce(%(now)s::timestamptz, now()) AS lease_live
 FROM {schema}.message
 WHERE id = %(id)s;
-
--- name: ack_and_commit :one
--- ack_in_transaction and the commit, in one round trip: one simple query (its values
--- bound on the client) that psycopg sends at the end of a Psycopg atomic task. Without
--- a row to delete (the lease was lost), 1 / count(*) divides by zero: the error aborts
--- the transaction, the COMMIT after it never runs, and the caller rolls back.
-WITH acked AS (
-    DELETE FROM {schema}.message
-    WHERE id = %(id)s
-      AND lease = %(lease)s
-    RETURNING id
-)
-SELECT 1 / count(*) AS acked
-FROM acked;
-COMMIT;

@@ -76,58 +76,6 @@ def test_ack_in_transaction_finds_no_row_when_the_lease_was_lost(
     assert fence.holder(enlisted, first) == "another delivery holds it (attempt 2)"
 
 
-@pytest.fixture
-def effect(db: psycopg.Connection, schema: str) -> sql.Composed:
-    """An application table in the broker's database: one row per effect."""
-    table = sql.Identifier(schema, "effect")
-    db.execute(sql.SQL("CREATE TABLE {} (n int NOT NULL)").format(table))
-    return sql.SQL("INSERT INTO {} (n) VALUES (1)").format(table)
-
-
-def _effects(db: psycopg.Connection, schema: str) -> int:
-    row = db.execute(sql.SQL("SELECT count(*) FROM {}.effect").format(sql.Identifier(schema)))
-    return int(row.fetchone()[0])  # type: ignore[index]
-
-
-@pytest.fixture
-def own() -> Iterator[atomic.Psycopg]:
-    """Atomic transactions on a connection of their own (an atomic task's default)."""
-    source = atomic.Psycopg()
-    yield source
-    conn = getattr(source._local, "conn", None)
-    if conn is not None:
-        conn.close()
-
-
-def test_ack_and_commit_commits_the_work_with_the_ack(store, fence, own, effect, db, schema):
-    delivery = _claimed(store)
-    transaction = own.begin(fence)
-    transaction.handle.execute(effect)
-    assert fence.commit(transaction, fence.enlist(transaction.handle, check=False), delivery)
-    # one round trip ended the transaction: nothing left open, both committed
-    assert transaction.handle.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
-    assert (_count(db, schema), _effects(db, schema)) == (0, 1)
-
-
-def test_ack_and_commit_commits_nothing_when_the_lease_was_lost(
-    store, fence, own, effect, db, schema, later: Later
-):
-    first = _claimed(store)
-    lease = new_lease()
-    [again] = store.claim("q", 1, lease, now=later(61))
-    transaction = own.begin(fence)
-    enlisted = fence.enlist(transaction.handle, check=False)
-    transaction.handle.execute(effect)
-    assert not fence.commit(transaction, enlisted, first)
-    # the COMMIT after the fenced delete did not run: the work is not committed
-    assert _effects(db, schema) == 0
-    transaction.rollback()
-    assert fence.holder(enlisted, first) == "another delivery holds it (attempt 2)"
-    transaction.close()
-    assert _effects(db, schema) == 0
-    assert store.ack(again.id, lease)  # still the other delivery's
-
-
 def test_delivery_holder_says_when_the_message_is_gone(store, fence, app_conn):
     delivery = _claimed(store)
     assert store.ack(delivery.message_id, delivery.lease)
