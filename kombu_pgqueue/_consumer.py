@@ -40,11 +40,9 @@ UNLIMITED_BATCH = 100
 #: to free (see Consumer.batch_limit)
 CLAIM_BATCH_WAIT = 0.05
 
-#: a consumer that delivered nothing for this long claims in the event loop's own
-#: thread, waiting for the answer: the loop has nothing else to do meanwhile, and the
-#: hops to a claim thread and back (a thread wakeup, then a pipe write and another loop
-#: wakeup) came to about a tenth of the time from apply_async to task start on an idle
-#: prefork worker
+#: a consumer that delivered nothing for this long claims in the event loop's own thread
+#: (the loop has nothing else to do): the hops to a claim thread and back came to about
+#: a tenth of the time from apply_async to task start on an idle prefork worker
 IDLE_INLINE_SECONDS = 0.02
 
 
@@ -303,11 +301,9 @@ class Consumer:
     def _hand_out(
         self, queue: str, limit: int, payloads: list[dict[str, Any]], renotified: bool = False
     ) -> tuple[BaseException | None, list[dict[str, Any]]]:
-        """Deliver one claim's messages; return a callback's error and what it left over.
-
-        What was not handed out when a callback raised must be released by the caller
-        at once, instead of staying leased, unseen and unrenewed, until the lease ends.
-        """
+        """Deliver one claim's messages; return a callback's error and what it left over,
+        which the caller releases at once (not leased, unseen and unrenewed, until the
+        lease ends)."""
         if len(payloads) < limit and not renotified:
             self.pending.discard(queue)
         if payloads:
@@ -320,28 +316,32 @@ class Consumer:
                     exc, self._connection_errors
                 ):
                     return exc, payloads[n + 1 :]
-                self._poisoned(queue, payload, exc)
+                # dead-lettered, and consuming goes on: no message takes its consumer down
+                sub = self._subs.get(queue)
+                self.held.poisoned(queue, payload, exc, None if sub is None else sub.sink)
             except BaseException as exc:  # the process is exiting: hand the rest back
                 return exc, payloads[n + 1 :]
-        if self.listener is not None and queue in self._subs:
-            try:
-                backlog, pending = 1 < limit <= len(payloads), queue in self.pending
-                woken = self.listener.turn(queue, backlog=backlog, pending=pending)
-            except Exception as exc:  # the listening session is lost: reconnect
-                return exc, []
-            if woken is not None:
-                self.wake(woken)
-        return None, []
+        return self._turn(queue, limit, len(payloads))
 
-    def _poisoned(self, queue: str, payload: dict[str, Any], exc: Exception) -> None:
-        """The callback raised on this message: dead-letter it and go on consuming, so
-        that no single message can take its consumer down (and every consumer after it)."""
-        tag = payload["properties"]["delivery_tag"]
+    def _turn(self, queue: str, limit: int, got: int) -> tuple[BaseException | None, list[Any]]:
+        """Wait for ``queue`` only while it is drained and there is room for more (see
+        Listener.turn): a full claim, or a window this batch filled, leaves it pending,
+        claimed again as the window opens, and publishes wake other consumers."""
+        sub = self._subs.get(queue)
+        if self.listener is None or sub is None:
+            return None, []
+        room = sub.sink.room()
+        full = got > 0 and room is not None and room - self._state(sub.sink).claiming <= 0
+        if full:
+            self.pending.add(queue)
         try:
-            self.held.poisoned(queue, tag, exc)
-        finally:
-            if (sub := self._subs.get(queue)) is not None:
-                sub.sink.forget(tag)
+            backlog = full or 1 < limit <= got
+            woken = self.listener.turn(queue, backlog=backlog, pending=queue in self.pending)
+        except Exception as exc:  # the listening session is lost: reconnect
+            return exc, []
+        if woken is not None:
+            self.wake(woken)
+        return None, []
 
     def stop_claimer(self) -> None:
         claimer, self.claimer = self.claimer, None

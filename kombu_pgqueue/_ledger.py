@@ -169,9 +169,20 @@ class Held:
         _counters.add("rejected")
         return self.store.bury(*held, reason, error)
 
-    def poisoned(self, queue: str, tag: str, exc: Exception) -> None:
-        """The consumer's callback raised ``exc`` on ``tag``: dead-letter it (reason
-        consumer_error, with the exception's text) and log an error naming it."""
+    def poisoned(
+        self, queue: str, payload: dict[str, Any], exc: Exception, sink: Sink | None
+    ) -> None:
+        """The consumer's callback raised ``exc`` on this delivery: dead-letter it
+        (reason consumer_error, with the exception's text), log an error naming it, and
+        tell ``sink`` (the channel) to stop counting it."""
+        tag = payload["properties"]["delivery_tag"]
+        try:
+            self._poisoned(queue, tag, exc)
+        finally:
+            if sink is not None:
+                sink.forget(tag)
+
+    def _poisoned(self, queue: str, tag: str, exc: Exception) -> None:
         message_id, _ = codec.parse_tag(tag)
         error = f"{type(exc).__name__}: {exc}"
         try:

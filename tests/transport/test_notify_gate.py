@@ -240,3 +240,27 @@ def test_a_waiter_whose_session_is_gone_is_passed_over_and_removed(
 
         assert waiters() == 1
         assert got == list(range(sent))
+
+
+def test_a_consumer_whose_window_is_full_is_not_the_one_woken(make_connection) -> None:
+    """A waiter picked while it holds all it may is woken for a message it cannot take,
+    while another consumer idles: a consumer with no room stops waiting."""
+    busy, idle = make_connection(polling_interval=3600), make_connection(polling_interval=3600)
+    held: list[object] = []
+    got: list[object] = []
+    with (
+        Consumer(busy, [Queue("q")], callbacks=[lambda body, m: held.append(body)]) as full,
+        Consumer(idle, [Queue("q")], callbacks=[lambda body, m: (got.append(body), m.ack())]),
+    ):
+        full.qos(prefetch_count=1)
+        with contextlib.suppress(TimeoutError):
+            idle.drain_events(timeout=0.1)  # has claimed once, waits
+        Producer(busy).publish("kept", routing_key="q")
+        busy.drain_events(timeout=10)  # whoever was woken, busy claims it (and holds it)
+        got.clear()
+        assert held == ["kept"]
+
+        for i in range(6):  # each would reach the busy one half of the time
+            Producer(busy).publish(i, routing_key="q")
+            idle.drain_events(timeout=10)
+        assert got == list(range(6)) and held == ["kept"]
