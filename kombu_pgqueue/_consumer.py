@@ -86,6 +86,7 @@ class Consumer:
         self._resume = ResumePositions()
         self._last_delivery = 0.0
         self.next_due: float | None = None
+        self.new_due: float | None = None
         self.next_poll = 0.0
         self._next_sweep = 0.0
         #: the clock of batching, resuming and idleness (tests move it)
@@ -122,8 +123,7 @@ class Consumer:
 
     def no_ack(self, queue: str) -> bool:
         """Whether ``queue`` is consumed without acks (taken, not leased)."""
-        sub = self._subs.get(queue)
-        return sub is not None and sub.no_ack
+        return (sub := self._subs.get(queue)) is not None and sub.no_ack
 
     @property
     def in_flight(self) -> frozenset[str]:
@@ -304,11 +304,9 @@ class Consumer:
         """Deliver one claim's messages; return a callback's error and what it left over,
         which the caller releases at once (not leased, unseen and unrenewed, until the
         lease ends)."""
-        if len(payloads) < limit and not renotified:
-            self.pending.discard(queue)
         if payloads:
             self._last_delivery = self.clock()
-        for n, payload in enumerate(payloads):
+        for n, payload in enumerate(payloads):  # the queue stays pending if one raises
             try:
                 self._deliver(payload, queue)
             except Exception as exc:
@@ -321,12 +319,13 @@ class Consumer:
                 self.held.poisoned(queue, payload, exc, None if sub is None else sub.sink)
             except BaseException as exc:  # the process is exiting: hand the rest back
                 return exc, payloads[n + 1 :]
+        if len(payloads) < limit and not renotified:
+            self.pending.discard(queue)  # drained
         return self._turn(queue, limit, len(payloads))
 
     def _turn(self, queue: str, limit: int, got: int) -> tuple[BaseException | None, list[Any]]:
         """Wait for ``queue`` only while it is drained and there is room for more (see
-        Listener.turn): a full claim, or a window this batch filled, leaves it pending,
-        claimed again as the window opens, and publishes wake other consumers."""
+        Listener.turn): a full claim, or a window this batch filled, leaves it pending."""
         sub = self._subs.get(queue)
         if self.listener is None or sub is None:
             return None, []
@@ -384,7 +383,7 @@ class Consumer:
     def _note_due(self, due: float | None) -> float | None:
         if due is None or (self.next_due is not None and self.next_due <= due):
             return None
-        self.next_due = due
+        self.next_due = self.new_due = due  # new_due: for the loop's timer, see _loop
         return due
 
     # -- shutdown --------------------------------------------------------------------------

@@ -14,11 +14,9 @@ listening session of the database.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
 import os
-import secrets
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -50,15 +48,11 @@ class Wakeups:
     queues: set[str] = field(default_factory=set)
     due: float | None = None
 
-    #: this consumer's id, for notifications addressed to one consumer
-    consumer: str = ""
-
     def add(self, payload: str) -> None:
         kind, _, rest = payload.partition(":")
         if kind == "r":
-            token, _, addressed = rest.partition(":")
-            if token in self.tokens and addressed in ("", self.consumer):
-                self.queues.add(self.tokens[token])
+            if rest in self.tokens:
+                self.queues.add(self.tokens[rest])
         elif kind == "d":
             try:
                 when = float(rest)
@@ -77,10 +71,8 @@ class Listener:
         self.conn: psycopg.Connection | None = None
         self._pid = os.getpid()
         self._q = _sql.queries(options.schema)
-        #: the queues this session waits for (has a waiter row of), by token
+        #: the queues this session watches (holds the waiting lock of), by token
         self.watched: dict[str, str] = {}
-        #: this session's consumer id in the waiter table (a new one per session)
-        self.consumer = secrets.token_hex(8)
 
     def open(self) -> bool:
         """Connect if not connected; True if this opened a new session (which watches
@@ -91,11 +83,16 @@ class Listener:
             self.conn = None  # the parent's session, not ours to use
         self.conn = _pool.listening(self.conninfo, self.options)
         self._pid = os.getpid()
-        self.consumer = secrets.token_hex(8)
-        self.conn.execute(self._q["waiter_alive"], {"consumer": self.consumer})
-        self.conn.execute(sql.SQL("SET lock_timeout = {}").format(sql.Literal(BARRIER_TIMEOUT_MS)))
         queues, self.watched = self.watched, {}
-        self.watch(queues.values())
+        try:
+            self.conn.execute(
+                sql.SQL("SET lock_timeout = {}").format(sql.Literal(BARRIER_TIMEOUT_MS))
+            )
+            self.watch(queues.values())
+        except BaseException:  # the next open() tries again, and watches them all
+            self.watched.update(queues)
+            self.close()
+            raise
         return True
 
     def watch(self, queues: Iterable[str]) -> Wakeups:
@@ -106,7 +103,7 @@ class Listener:
         new = sorted(set(queues) - set(self.watched.values()))
         if not new or self.conn is None:
             return Wakeups(self.watched)
-        params = {"channel": self.options.channel, "queues": new, "consumer": self.consumer}
+        params = {"channel": self.options.channel, "queues": new}
         self.conn.execute(self._q["watch"], params)
         self.watched.update((queue_token(queue), queue) for queue in new)
         try:
@@ -138,7 +135,7 @@ class Listener:
             del self.watched[queue_token(queue)]
         if not gone or self.conn is None or self.conn.closed:
             return Wakeups(self.watched)
-        self.conn.execute(self._q["unwatch"], {"consumer": self.consumer, "queues": gone})
+        self.conn.execute(self._q["unwatch"], {"channel": self.options.channel, "queues": gone})
         return self.drain()
 
     def fileno(self) -> int:
@@ -148,7 +145,7 @@ class Listener:
     def wait(self, timeout: float | None) -> Wakeups:
         """Block up to ``timeout`` seconds for notifications; return all that came."""
         assert self.conn is not None
-        found = Wakeups(self.watched, consumer=self.consumer)
+        found = Wakeups(self.watched)
         for notify in self.conn.notifies(timeout=timeout, stop_after=1):
             found.add(notify.payload)
         if found:
@@ -161,9 +158,6 @@ class Listener:
         return self.wait(0)
 
     def close(self) -> None:
-        if self.conn is not None and self._pid == os.getpid():
-            with contextlib.suppress(psycopg.Error):  # else its row goes when next seen
-                self.unwatch(list(self.watched.values()))
         conn, self.conn = self.conn, None
         if conn is not None and not conn.closed:
             try:

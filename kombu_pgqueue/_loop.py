@@ -117,6 +117,8 @@ class LoopDriver:
 
     def _on_tick(self) -> None:
         consumer = self.consumer
+        if consumer.new_due is not None:  # noted outside a reader or a poll (a watch)
+            self._schedule_due(consumer.new_due)
         if consumer.next_poll == 0.0 and consumer.consuming:
             self._poll()
         if consumer.pending:
@@ -148,6 +150,7 @@ class LoopDriver:
             self._retry_timer = self.loop.call_later(CLAIM_BATCH_WAIT, self._on_retry)
 
     def _schedule_due(self, due: float | None) -> None:
+        self.consumer.new_due = None
         if due is None:
             return
         delay = max(due - time.time(), 0.0) + 0.001

@@ -17,6 +17,8 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
+from kombu_pgqueue._options import notify_channel
+
 from . import ledger, procs
 from .celery_scenarios import _wait_drained
 from .context import Context, Result
@@ -179,15 +181,16 @@ def _dbrestart(ctx: Context, cluster: Cluster) -> Result:
 
 
 def _listeners(conn: psycopg.Connection, schema: str) -> list[int]:
-    """The workers' listening sessions: each holds the lock that marks its consumer alive
-    in the schema's waiter table (see the top of kombu_pgqueue/sql/queries.sql)."""
-    alive = sql.SQL(
+    """The workers' listening sessions: they hold the watch locks of the schema's queues
+    (see the top of kombu_pgqueue/sql/queries.sql)."""
+    channel = notify_channel(schema)
+    watched = sql.SQL(
         "SELECT DISTINCT l.pid FROM pg_locks AS l"
-        " WHERE l.locktype = 'advisory' AND l.classid = 1885827395 AND l.granted"
-        " AND l.objid IN (SELECT mod(hashtext(w.consumer)::bigint + 4294967296, 4294967296)::oid"
-        " FROM {}.waiter AS w)"
+        " WHERE l.locktype = 'advisory' AND l.classid = 1885827415 AND l.granted"
+        " AND l.objid IN (SELECT ((hashtext(%s || ':' || q.name)::bigint + 4294967296)"
+        " %% 4294967296)::oid FROM {}.queue AS q)"
     ).format(sql.Identifier(schema))
-    return [r[0] for r in conn.execute(alive)]
+    return [r[0] for r in conn.execute(watched, (channel,))]
 
 
 def listenkill(ctx: Context) -> Result:

@@ -4,20 +4,20 @@
 -- sends goes out exactly when its rows become visible.
 -- Time is a parameter (NULL = the server's clock), so tests move it instead of sleeping.
 --
--- Publishes notify only a queue somebody waits for, and wake one of its consumers, not
--- all. A consumer that waits for a queue has a row in table waiter, written by its
--- LISTEN session (statement watch), which holds (1885827395 'pgqC', hashtext(consumer))
--- while it lives. A publish with gate calls notify_target (migration 0007): it takes
--- (1885827408 'pgqP', hashtext(channel || ':' || queue)) shared until its commit, and
--- picks one live waiter at random: the NOTIFY names it ('r:<token>:<consumer>'), and
--- only it claims. Nobody waiting: no NOTIFY (whose commit would otherwise signal every
+-- Publishes notify only a queue somebody waits for. A consumer's LISTEN session holds a
+-- shared advisory lock on (1885827415 'pgqW', hashtext(channel || ':' || queue)) while it
+-- waits for the queue (statement watch). A publish with gate (function notify_wanted,
+-- migration 0007) first takes (1885827408 'pgqP', the same key) shared until its
+-- commit, and then tries that key of 'pgqW' exclusively (and lets go at once): if it
+-- can, nobody waits, and it sends no NOTIFY (whose commit would otherwise signal every
 -- listening session of the database, and hold the cluster's notify lock across its WAL
--- flush). A consumer that starts waiting writes its row and then takes 'pgqP'
--- exclusively (watch_barrier), which waits for every publish that may have looked
--- before it: those have committed when its next claim runs. A publish that cannot take
--- 'pgqP' (a consumer is arming), bulk publishes, and publishes in an application's
--- transaction (gate false: they must not hold 'pgqP' for as long as that transaction
--- lasts) notify every consumer of the queue ('r:<token>').
+-- flush). A consumer that starts waiting takes 'pgqW' first and then 'pgqP' exclusively
+-- (watch_barrier), which waits for every publish that may have looked before it: those
+-- have committed when its next claim runs. A publish that cannot take 'pgqP' (a
+-- consumer is arming) notifies. Publishes in an application's transaction (gate false)
+-- always notify: they must not hold 'pgqP' for as long as that transaction lasts. A
+-- delayed message always notifies its due time ('d:'): every consumer, waiting or busy,
+-- promotes due messages of the queues it consumes.
 
 -- name: publish :one
 -- One message. A due message wakes consumers ('r:' + the queue's token: the first 16
@@ -66,19 +66,15 @@ WITH inserted AS (
 )
 SELECT
     inserted.id,
-    CASE WHEN target.consumer IS NOT NULL
+    CASE WHEN inserted.delayed OR {schema}.notify_wanted(%(channel)s, %(queue)s, %(gate)s)
     THEN pg_notify(
         %(channel)s,
         CASE WHEN inserted.delayed
             THEN 'd:' || extract(EPOCH FROM inserted.next_iteration)::text
             ELSE 'r:' || left(md5(convert_to(%(queue)s, 'UTF8')), 16)
-                || CASE WHEN target.consumer = '' THEN '' ELSE ':' || target.consumer END
         END
     ) END
-FROM inserted
-CROSS JOIN LATERAL (
-    SELECT {schema}.notify_target(%(channel)s, %(queue)s, %(gate)s) AS consumer
-) AS target;
+FROM inserted;
 
 -- name: publish_many :many
 -- Many messages in one round trip, each column an array of the same length.
@@ -131,8 +127,7 @@ wake AS (
 )
 SELECT
     (SELECT count(*) FROM inserted) AS inserted,
-    -- many messages: every waiting consumer
-    CASE WHEN {schema}.notify_target(%(channel)s, wake.queue, %(gate)s) IS NOT NULL
+    CASE WHEN left(wake.payload, 2) = 'd:' OR {schema}.notify_wanted(%(channel)s, wake.queue, %(gate)s)
     THEN pg_notify(%(channel)s, wake.payload) END
 FROM wake;
 
@@ -173,19 +168,15 @@ inserted AS (
 )
 SELECT
     inserted.queue,
-    CASE WHEN target.consumer IS NOT NULL
+    CASE WHEN inserted.delayed OR {schema}.notify_wanted(%(channel)s, inserted.queue, %(gate)s)
     THEN pg_notify(
         %(channel)s,
         CASE WHEN inserted.delayed
             THEN 'd:' || extract(EPOCH FROM inserted.next_iteration)::text
             ELSE 'r:' || left(md5(convert_to(inserted.queue, 'UTF8')), 16)
-                || CASE WHEN target.consumer = '' THEN '' ELSE ':' || target.consumer END
         END
     ) END
 FROM inserted
-CROSS JOIN LATERAL (
-    SELECT {schema}.notify_target(%(channel)s, inserted.queue, %(gate)s) AS consumer
-) AS target
 -- no binding matched at all (not: every copy was a duplicate): one row, queue NULL
 UNION ALL
 SELECT NULL, NULL
@@ -715,7 +706,7 @@ COPY {schema}.message (
 -- name: notify_ready :many
 -- Wake consumers of queues that a direct COPY filled; sent at commit.
 SELECT
-    CASE WHEN {schema}.notify_target(%(channel)s, ready.queue, %(gate)s) IS NOT NULL
+    CASE WHEN {schema}.notify_wanted(%(channel)s, ready.queue, %(gate)s)
     THEN pg_notify(%(channel)s, 'r:' || left(md5(convert_to(ready.queue, 'UTF8')), 16)) END
 FROM unnest(%(queues)s::text[]) AS ready (queue);
 
@@ -758,8 +749,7 @@ wake AS (
 )
 SELECT
     (SELECT count(*) FROM inserted) AS inserted,
-    -- many messages: every waiting consumer
-    CASE WHEN {schema}.notify_target(%(channel)s, wake.queue, %(gate)s) IS NOT NULL
+    CASE WHEN left(wake.payload, 2) = 'd:' OR {schema}.notify_wanted(%(channel)s, wake.queue, %(gate)s)
     THEN pg_notify(%(channel)s, wake.payload) END
 FROM wake;
 
@@ -794,19 +784,10 @@ FROM pg_catalog.pg_database AS d
 WHERE d.datname = current_database();
 
 -- name: watch :none
--- A consumer's LISTEN session starts waiting for these queues: publishes to them may
--- wake it from now on (see the top of this file). Waiters whose session is gone are
--- removed on the way.
-WITH gone AS (
-    DELETE FROM {schema}.waiter AS w
-    WHERE w.queue = ANY(%(queues)s::text[])
-      AND w.consumer <> %(consumer)s
-      AND pg_try_advisory_xact_lock_shared(1885827395, hashtext(w.consumer))
-)
-INSERT INTO {schema}.waiter (queue, consumer)
-SELECT DISTINCT q.name, %(consumer)s
-FROM unnest(%(queues)s::text[]) AS q (name)
-ON CONFLICT DO NOTHING;
+-- A consumer's LISTEN session starts waiting for these queues: publishes to them notify
+-- from now on (see the top of this file). Session locks, gone with the session.
+SELECT pg_advisory_lock_shared(1885827415, hashtext(%(channel)s::text || ':' || q.name))
+FROM unnest(%(queues)s::text[]) AS q (name);
 
 -- name: watch_barrier :none
 -- Then waits for the publishes that looked for a waiting consumer before watch: they
@@ -820,11 +801,6 @@ FROM (
 ) AS keys;
 
 -- name: unwatch :none
--- The consumer no longer waits for these queues (it has a backlog, or stopped).
-DELETE FROM {schema}.waiter
-WHERE consumer = %(consumer)s
-  AND queue = ANY(%(queues)s::text[]);
-
--- name: waiter_alive :none
--- A LISTEN session's mark that its consumer lives, until the session ends.
-SELECT pg_advisory_lock(1885827395, hashtext(%(consumer)s));
+-- The consumer no longer consumes these queues.
+SELECT pg_advisory_unlock_shared(1885827415, hashtext(%(channel)s::text || ':' || q.name))
+FROM unnest(%(queues)s::text[]) AS q (name);
