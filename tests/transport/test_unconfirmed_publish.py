@@ -65,6 +65,12 @@ def _gone(db: psycopg.Connection, pid: int) -> bool:
     return db.execute("SELECT 1 FROM pg_stat_activity WHERE pid = %s", (pid,)).fetchone() is None
 
 
+def _end_session(db: psycopg.Connection, pid: int) -> None:
+    """Terminate the pipelined session ``pid`` and wait until it is gone."""
+    db.execute("SELECT pg_terminate_backend(%s)", (pid,))
+    wait_for(lambda: _gone(db, pid), 10, "the pipelined session to end")
+
+
 def _count(event: str, queue: str = "") -> int:
     return _counters.snapshot().get((event, queue), 0)
 
@@ -182,8 +188,7 @@ def test_a_lost_connection_raises_at_the_next_publish_and_publishing_goes_on(
             for n in range(1, 4):
                 producer.publish({"n": n}, routing_key="uc_lost")
             wait_for(lambda: _waiting_on_a_lock(db, pid), 10, "the publishes to wait")
-            db.execute("SELECT pg_terminate_backend(%s)", (pid,))
-            wait_for(lambda: _gone(db, pid), 10, "the pipelined session to end")
+            _end_session(db, pid)
         with pytest.raises(publisher.transport.connection_errors):
             producer.publish({"n": 4}, routing_key="uc_lost", retry=False)
 
@@ -203,8 +208,7 @@ def test_kombus_retry_policy_resends_a_publish_that_met_a_lost_connection(
     producer.publish({"n": 0}, routing_key="uc_retry", declare=[Queue("uc_retry")])
     publisher.transport.flush_publishes()
     pid = _pipeline(publisher).backend_pid
-    db.execute("SELECT pg_terminate_backend(%s)", (pid,))
-    wait_for(lambda: _gone(db, pid), 10, "the pipelined session to end")
+    _end_session(db, pid)
 
     producer.publish({"n": 1}, routing_key="uc_retry", retry=True, retry_policy={"max_retries": 2})
     publisher.transport.flush_publishes()
