@@ -79,8 +79,7 @@ class Listener:
         what the last one did: notifications may have been missed in between)."""
         if self.conn is not None and not self.conn.closed and self._pid == os.getpid():
             return False
-        if self._pid != os.getpid():
-            self.conn = None  # the parent's session, not ours to use
+        # (after a fork the parent's session is not ours to use, nor to close)
         self.conn = _pool.listening(self.conninfo, self.options)
         self._pid = os.getpid()
         queues, self.watched = self.watched, {}

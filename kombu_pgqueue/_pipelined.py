@@ -120,9 +120,8 @@ class Pipeline:
 
     def publish(self, message: Outgoing, *, replace: bool = False) -> None:
         """Send what :meth:`Store.publish` runs, without waiting for it."""
-        params = {**message.params(), "replace": replace}
         sent = Sent("publish", message.queue, "", "", message.dedup_key)
-        self._publish(sent, params)
+        self._publish(sent, self._store.publish_params(message, replace=replace))
 
     def publish_routed(
         self,
@@ -134,16 +133,13 @@ class Pipeline:
     ) -> None:
         """Send what :meth:`Store.publish_routed` runs; ``unroutable`` reports
         ``original`` if no binding matched."""
-        params = {**message.params(), "exchange": exchange, "routing_key": routing_key}
         sent = Sent(
             "publish_routed", "", exchange, routing_key, message.dedup_key, original, unroutable
         )
-        self._publish(sent, params)
+        self._publish(sent, self._store.routed_params(exchange, routing_key, message))
 
     def _publish(self, sent: Sent, params: dict[str, Any]) -> None:
-        # outside an application's transaction, as the store's own path: the NOTIFY gate
-        params["gate"] = True
-        params["channel"] = self._store.options.channel
+        params["gate"] = True  # outside an application's transaction (see Connected._rows)
         with self._lock:
             pgconn = self._pgconn or self._open()
             try:

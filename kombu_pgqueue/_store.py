@@ -48,9 +48,21 @@ class Store(Connected):
 
         With ``replace``, a waiting message with the same dedup key is overwritten.
         """
-        params = {**message.params(), "replace": replace, "channel": self.options.channel}
-        row = self._one("publish", params)
+        row = self._one("publish", self.publish_params(message, replace=replace))
         return int(row[0]) if row else None
+
+    def publish_params(self, message: Outgoing, *, replace: bool = False) -> dict[str, Any]:
+        """Statement publish's parameters but ``gate`` (see :meth:`Connected._rows`)."""
+        return {**message.params(), "replace": replace, "channel": self.options.channel}
+
+    def routed_params(self, exchange: str, routing_key: str, message: Outgoing) -> dict[str, Any]:
+        """Statement publish_routed's parameters but ``gate``."""
+        return {
+            **message.params(),
+            "exchange": exchange,
+            "routing_key": routing_key,
+            "channel": self.options.channel,
+        }
 
     def publish_many(self, messages: Sequence[Outgoing]) -> int:
         """Store many messages in one transaction; return how many were inserted."""
@@ -89,13 +101,7 @@ class Store(Connected):
         """Route through the shared bindings of ``exchange``; return the queues reached
         (not those where the message's dedup key was taken), None when no binding
         matched (the message is unroutable)."""
-        params = {
-            **message.params(),
-            "exchange": exchange,
-            "routing_key": routing_key,
-            "channel": self.options.channel,
-        }
-        rows = self._rows("publish_routed", params)
+        rows = self._rows("publish_routed", self.routed_params(exchange, routing_key, message))
         if rows and rows[0][0] is None:
             return None
         return [row[0] for row in rows]

@@ -1,4 +1,4 @@
-"""A TCP proxy in front of the test PostgreSQL that breaks connections on cue.
+"""TCP proxies in front of the test PostgreSQL that break connections on cue.
 
 Tests point a broker URL at ``proxy.port`` (with ``sslmode=disable``, so the proxy can
 read the server's messages) and arm a fault; everything else is forwarded unchanged.
@@ -27,6 +27,19 @@ def _upstream(dsn: str) -> tuple[int, Any]:
     if host.startswith("/"):
         return socket.AF_UNIX, f"{host}/.s.PGSQL.{port}"
     return socket.AF_INET, (host, port)
+
+
+def split_messages(buffer: bytes) -> tuple[list[bytes], bytes]:
+    """The whole protocol messages (type byte, length, body) at the head of ``buffer``,
+    and what is left of it."""
+    messages = []
+    while len(buffer) >= 5:
+        (length,) = struct.unpack("!I", buffer[1:5])
+        if len(buffer) < 1 + length:
+            break
+        messages.append(buffer[: 1 + length])
+        buffer = buffer[1 + length :]
+    return messages, buffer
 
 
 class FaultProxy:
@@ -105,13 +118,9 @@ class FaultProxy:
         buffer = b""
         try:
             while data := link.server.recv(65536):
-                buffer += data
+                messages, buffer = split_messages(buffer + data)
                 forward = b""
-                while len(buffer) >= 5:
-                    (length,) = struct.unpack("!I", buffer[1:5])
-                    if len(buffer) < 1 + length:
-                        break
-                    message, buffer = buffer[: 1 + length], buffer[1 + length :]
+                for message in messages:
                     # ReadyForQuery outside a transaction block: what came before committed
                     if message[:1] == b"Z" and message[5:6] == b"I" and link.took_insert():
                         with self._lock:
@@ -164,3 +173,87 @@ class _Link:
                 sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
+
+
+class AnswerSplitter:
+    """A TCP proxy to the test server that holds back one session's ReadyForQuery.
+
+    PostgreSQL sends (and flushes) an ErrorResponse as soon as a statement fails, and
+    the ReadyForQuery that ends the answer after it: a claimer's socket can be readable
+    while only the error has arrived. Here that moment lasts until :meth:`release`.
+    Clients must connect with ``sslmode=disable`` and ``gssencmode=disable``.
+    """
+
+    def __init__(self, dsn: str) -> None:
+        self._upstream = _upstream(dsn)
+        self._lock = threading.Lock()
+        self._hold_pid: int | None = None
+        self._held: list[bytes] = []
+        self._release = threading.Event()
+        #: set once the held session's ReadyForQuery is held back
+        self.holding = threading.Event()
+        self._sockets: list[socket.socket] = []
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port: int = self._listener.getsockname()[1]
+        threading.Thread(target=self._accept, name="answer-splitter", daemon=True).start()
+
+    def hold_ready_for(self, backend_pid: int) -> None:
+        with self._lock:
+            self._hold_pid = backend_pid
+
+    def release(self) -> None:
+        self._release.set()
+
+    def close(self) -> None:
+        self._release.set()
+        for sock in [self._listener, *self._sockets]:
+            try:
+                sock.close()
+            except OSError:
+                pass
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            server = socket.socket(self._upstream[0], socket.SOCK_STREAM)
+            server.connect(self._upstream[1])
+            self._sockets += [client, server]
+            threading.Thread(target=self._pump, args=(client, server), daemon=True).start()
+            threading.Thread(target=self._answers, args=(server, client), daemon=True).start()
+
+    @staticmethod
+    def _pump(source: socket.socket, target: socket.socket) -> None:
+        try:
+            while data := source.recv(65536):
+                target.sendall(data)
+        except OSError:
+            pass
+
+    def _answers(self, server: socket.socket, client: socket.socket) -> None:
+        buffer, pid, holding = b"", 0, False
+        try:
+            while data := server.recv(65536):
+                messages, buffer = split_messages(buffer + data)
+                forward = b""
+                for message in messages:
+                    kind = message[:1]
+                    if kind == b"K":  # BackendKeyData: this session's server process
+                        pid = struct.unpack("!I", message[5:9])[0]
+                    with self._lock:
+                        hold = pid == self._hold_pid and not self._release.is_set()
+                    if hold and (holding or kind == b"Z"):
+                        holding = True
+                        self._held.append(message)
+                        self.holding.set()
+                        continue
+                    forward += message
+                if forward:
+                    client.sendall(forward)
+                if holding and self._release.wait(30):
+                    client.sendall(b"".join(self._held))
+                    self._held, holding = [], False
+        except OSError:
+            pass

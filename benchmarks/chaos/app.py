@@ -23,6 +23,7 @@ import signal
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import psycopg
@@ -137,9 +138,10 @@ def make_app(dsn: str, schema: str, run: str, options: dict[str, Any], prefetch:
     return app
 
 
-def _from_environment() -> Celery:
+def from_environment(factory: Callable[..., Any] = make_app) -> Any:
+    """The app ``factory`` builds from what the chaos runner puts in the environment."""
     env = os.environ
-    return make_app(
+    return factory(
         env["CHAOS_DSN"],
         env["CHAOS_SCHEMA"],
         env["CHAOS_RUN"],
@@ -148,9 +150,17 @@ def _from_environment() -> Celery:
     )
 
 
-def __getattr__(name: str) -> Any:
-    # built on first use: `celery -A benchmarks.chaos.app` looks up `app`
-    if name == "app":
-        globals()["app"] = built = _from_environment()
-        return built
-    raise AttributeError(name)
+def lazy_app(namespace: dict[str, Any], factory: Callable[..., Any]) -> Callable[[str], Any]:
+    """A module ``__getattr__`` that builds ``app`` on first use (``celery -A module``
+    looks it up), from the environment."""
+
+    def __getattr__(name: str) -> Any:
+        if name == "app":
+            namespace["app"] = built = from_environment(factory)
+            return built
+        raise AttributeError(name)
+
+    return __getattr__
+
+
+__getattr__ = lazy_app(globals(), make_app)

@@ -33,7 +33,7 @@ from psycopg import sql
 from celery_pgqueue.atomic import AtomicTask
 
 from . import ledger, procs
-from .app import LedgerWriter, make_app
+from .app import LedgerWriter, lazy_app, make_app
 from .celery_scenarios import _publish_bulk, _wait_drained
 from .context import Context, Result, Run
 
@@ -249,20 +249,4 @@ def _killed_at() -> datetime:
     return datetime.now(timezone.utc)
 
 
-def _from_environment() -> Any:
-    env = os.environ
-    return make_atomic_app(
-        env["CHAOS_DSN"],
-        env["CHAOS_SCHEMA"],
-        env["CHAOS_RUN"],
-        json.loads(env.get("CHAOS_OPTIONS", "{}")),
-        int(env.get("CHAOS_PREFETCH", "4")),
-    )
-
-
-def __getattr__(name: str) -> Any:
-    # built on first use: `celery -A benchmarks.chaos.atomic` looks up `app`
-    if name == "app":
-        globals()["app"] = built = _from_environment()
-        return built
-    raise AttributeError(name)
+__getattr__ = lazy_app(globals(), make_atomic_app)

@@ -46,6 +46,7 @@ def _publisher(dsn: str, variant: str, seconds: float, barrier: Any, out: Any) -
     from kombu_pgqueue import _sql
     from kombu_pgqueue._listener import queue_token
     from kombu_pgqueue._options import notify_channel
+    from kombu_pgqueue.records import Outgoing
 
     raw = _sql.raw_queries()["publish"]
     text = raw if variant == "shipped" else without_notify(raw)
@@ -53,19 +54,21 @@ def _publisher(dsn: str, variant: str, seconds: float, barrier: Any, out: Any) -
     wake = "SELECT set_config('synchronous_commit', 'off', true), pg_notify(%s, %s)"
     channel = notify_channel(SCHEMA)
     payload = "r:" + queue_token(QUEUE)
+    message = Outgoing(
+        queue=QUEUE,
+        body=b'{"id": 0, "payload": "' + b"x" * 64 + b'"}',
+        headers="{}",
+        properties="{}",
+        content_type="application/json",
+        content_encoding="utf-8",
+    )
+    # what Store.publish and publish_routed send, with gate false: the statement always
+    # notifies (as inside an application's transaction), whether a consumer waits or not
     params = {
-        "queue": QUEUE,
-        "priority": 0,
-        "eta": None,
-        "expires_at": None,
-        "dedup_key": None,
-        "body": b'{"id": 0, "payload": "' + b"x" * 64 + b'"}',
-        "content_type": "application/json",
-        "content_encoding": "utf-8",
-        "headers": "{}",
-        "properties": "{}",
+        **message.params(),
         "replace": False,
         "channel": channel,
+        "gate": False,
     }
     with psycopg.connect(dsn, autocommit=True, prepare_threshold=0) as conn:
 

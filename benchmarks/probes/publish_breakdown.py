@@ -215,6 +215,7 @@ def statements_main() -> None:
     from benchmarks.scale import without_notify
     from kombu_pgqueue import _sql
     from kombu_pgqueue._options import notify_channel
+    from kombu_pgqueue.records import Outgoing
 
     drop_schema()
     queue = "probe_bd_q"
@@ -230,21 +231,23 @@ def statements_main() -> None:
         "publish_routed": raw["publish_routed"],
         "publish_routed, no NOTIFY": without_notify(raw["publish_routed"]),
     }
+    message = Outgoing(
+        queue=queue,
+        body=b'{"id": 0, "payload": "' + b"x" * 64 + b'"}',
+        headers="{}",
+        properties="{}",
+        content_type="application/json",
+        content_encoding="utf-8",
+    )
+    # what Store.publish and publish_routed send, with gate false: the statement always
+    # notifies (as inside an application's transaction), whether a consumer waits or not
     params = {
-        "queue": queue,
+        **message.params(),
         "exchange": queue,
         "routing_key": queue,
-        "priority": 0,
-        "eta": None,
-        "expires_at": None,
-        "dedup_key": None,
-        "body": b'{"id": 0, "payload": "' + b"x" * 64 + b'"}',
-        "content_type": "application/json",
-        "content_encoding": "utf-8",
-        "headers": "{}",
-        "properties": "{}",
         "replace": False,
         "channel": notify_channel(SCHEMA),
+        "gate": False,
     }
     results: dict[str, list[float]] = collections.defaultdict(list)
     with psycopg.connect(DSN, autocommit=True, prepare_threshold=0) as conn:

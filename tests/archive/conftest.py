@@ -4,7 +4,6 @@ a client app, and real ``celery -A archive_app worker`` processes (prefork)."""
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -15,6 +14,7 @@ import psycopg
 import pytest
 from archive_app import create_tables, make_app
 from celery import Celery
+from celery_workers import workers
 from waiting import Process, wait_for
 
 import kombu_pgqueue
@@ -54,37 +54,20 @@ def client(dsn: str, schema: str, db: psycopg.Connection) -> Iterator[Celery]:
 def spawn(dsn: str, schema: str, tmp_path: Path) -> Iterator[Callable[..., Process]]:
     """``spawn(name, concurrency=2, **settings)``: a prefork worker on queue ``celery``,
     consuming once this returns; killed with its pool at the end of the test."""
-    started: list[Process] = []
+    with workers(tmp_path) as started:
 
-    def spawn(name: str, concurrency: int = 2, **settings: Any) -> Process:
-        log_path = tmp_path / f"worker-{name}.log"
-        with open(log_path, "wb") as log:
-            proc = subprocess.Popen(
-                [
-                    sys.executable, "-m", "celery", "-A", "archive_app", "worker",
-                    "-n", f"{name}@%h", "-P", "prefork", "-c", str(concurrency), "-Q", "celery",
-                    "-l", "info", "--without-mingle", "--without-gossip", "--without-heartbeat",
-                ],
+        def spawn(name: str, concurrency: int = 2, **settings: Any) -> Process:
+            worker = started.start(
+                "archive_app",
+                name,
                 cwd=HERE,
                 env=worker_env(dsn, schema, **settings),
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )  # fmt: skip
-        worker = Process(name, proc, log_path)
-        started.append(worker)
-        wait_for(lambda: worker.says(" ready."), 60, f"worker {name} to start", worker)
-        return worker
+                options=("-P", "prefork", "-c", str(concurrency), "-Q", "celery"),
+            )
+            wait_for(lambda: worker.says(" ready."), 60, f"worker {name} to start", worker)
+            return worker
 
-    try:
         yield spawn
-    finally:
-        for worker in started:
-            try:  # the pool's children too
-                os.killpg(worker.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            worker.proc.wait(timeout=10)
 
 
 @pytest.fixture

@@ -3,10 +3,6 @@ the queries that count what happened (see ``atomic_app``)."""
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -16,8 +12,8 @@ import psycopg
 import pytest
 from atomic_app import create_tables, make_app, worker_env
 from celery import Celery
+from celery_workers import Worker, workers
 from psycopg import sql
-from waiting import Process
 
 import kombu_pgqueue
 
@@ -26,13 +22,6 @@ HERE = Path(__file__).resolve().parent
 #: what the transport logs when acks find their rows gone ("ack of message 1 came after
 #: its lease ended", "3 of 8 acks came after their lease ended"): never, here
 LATE_ACK = "lease ended"
-
-
-class Worker(Process):
-    def kill(self) -> None:
-        """SIGKILL the main process and its pool children at once."""
-        os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(timeout=10)
 
 
 @pytest.fixture
@@ -56,55 +45,19 @@ def client(dsn: str, tables: str) -> Iterator[Celery]:
 @pytest.fixture
 def spawn(dsn: str, tables: str, tmp_path: Path) -> Iterator[Callable[..., Worker]]:
     """``spawn(pool, concurrency=2, prefetch=1, **transport_options)``: a worker process."""
-    started: list[Worker] = []
+    with workers(tmp_path) as started:
 
-    def spawn(pool: str, *, concurrency: int = 2, prefetch: int = 1, **options: Any) -> Worker:
-        name = f"{pool}{len(started)}"
-        log_path = tmp_path / f"worker-{name}.log"
-        with open(log_path, "wb") as log:
-            proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "celery",
-                    "-A",
-                    "atomic_app",
-                    "worker",
-                    "-n",
-                    f"{name}@%h",
-                    "-P",
-                    pool,
-                    "-c",
-                    str(concurrency),
-                    "--prefetch-multiplier",
-                    str(prefetch),
-                    "-Q",
-                    "celery",
-                    "-l",
-                    "info",
-                    "--without-mingle",
-                    "--without-gossip",
-                    "--without-heartbeat",
-                ],
+        def spawn(pool: str, *, concurrency: int = 2, prefetch: int = 1, **options: Any) -> Worker:
+            return started.start(
+                "atomic_app",
+                f"{pool}{len(started.started)}",
                 cwd=HERE,
                 env=worker_env(dsn, tables, **options),
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
+                options=("-P", pool, "-c", str(concurrency), "--prefetch-multiplier", str(prefetch))
+                + ("-Q", "celery"),
             )
-        worker = Worker(name, proc, log_path)
-        started.append(worker)
-        return worker
 
-    try:
         yield spawn
-    finally:
-        for worker in started:
-            try:
-                os.killpg(worker.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            worker.proc.wait(timeout=10)
 
 
 def effects(db: psycopg.Connection, schema: str) -> Counter[str]:

@@ -5,15 +5,13 @@ no restart. Each test runs on throwaway clusters of its own."""
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import psycopg
 import pytest
 from celery import Celery
+from celery_workers import workers
 from clusters import Cluster
 from failover_app import make_app
 from psycopg import sql
@@ -43,40 +41,26 @@ def ledger(db: psycopg.Connection, schema: str) -> Callable[[], list[str]]:
 
 @pytest.fixture
 def spawn(dsn: str, schema: str, tmp_path: Path) -> Iterator[Callable[[str], Process]]:
-    started: list[Process] = []
+    with workers(tmp_path) as started:
 
-    def spawn(broker_url: str) -> Process:
-        log_path = tmp_path / f"worker-{len(started)}.log"
-        env = {
-            **os.environ,
-            "PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent)]),
-            "PGQUEUE_BROKER_URL": broker_url,
-            "PGQUEUE_SCHEMA": SCHEMA,
-            "PGQUEUE_LEDGER_DSN": dsn,
-            "PGQUEUE_LEDGER": f"{schema}.ledger",
-        }
-        with open(log_path, "wb") as log:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "celery", "-A", "failover_app", "worker"]
-                + ["-P", "prefork", "-c", "2", "-l", "info", "--without-mingle"]
-                + ["--without-gossip", "--without-heartbeat"],
+        def spawn(broker_url: str) -> Process:
+            env = {
+                **os.environ,
+                "PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent)]),
+                "PGQUEUE_BROKER_URL": broker_url,
+                "PGQUEUE_SCHEMA": SCHEMA,
+                "PGQUEUE_LEDGER_DSN": dsn,
+                "PGQUEUE_LEDGER": f"{schema}.ledger",
+            }
+            return started.start(
+                "failover_app",
+                f"worker{len(started.started)}",
                 cwd=HERE,
                 env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
+                options=("-P", "prefork", "-c", "2"),
             )
-        worker = Process("worker", proc, log_path)
-        started.append(worker)
-        return worker
 
-    yield spawn
-    for worker in started:
-        try:
-            os.killpg(worker.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        worker.proc.wait(timeout=10)
+        yield spawn
 
 
 @pytest.fixture

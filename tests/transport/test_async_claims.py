@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import logging
 import select
-import socket
-import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -25,6 +23,7 @@ import psycopg
 import pytest
 from kombu import Connection, Consumer, Producer, Queue
 from kombu.asynchronous import Hub
+from wire_faults import AnswerSplitter
 
 from kombu_pgqueue import _consumer, _resume
 from kombu_pgqueue._listener import Wakeups, queue_token
@@ -238,100 +237,6 @@ def _locked(dsn: str, schema: str) -> Iterator[psycopg.Connection]:
         holder.close()
 
 
-class _AnswerSplitter:
-    """A TCP proxy to the test server that holds back one session's ReadyForQuery.
-
-    PostgreSQL sends (and flushes) an ErrorResponse as soon as a statement fails, and
-    the ReadyForQuery that ends the answer after it: a claimer's socket can be readable
-    while only the error has arrived. Here that moment lasts until :meth:`release`.
-    Clients must connect with ``sslmode=disable`` and ``gssencmode=disable``.
-    """
-
-    def __init__(self, dsn: str) -> None:
-        with psycopg.connect(dsn) as conn:
-            host, port = conn.info.host, conn.info.port
-        self._upstream: tuple[int, Any] = (
-            (socket.AF_UNIX, f"{host}/.s.PGSQL.{port}")
-            if host.startswith("/")
-            else (socket.AF_INET, (host, port))
-        )
-        self._lock = threading.Lock()
-        self._hold_pid: int | None = None
-        self._held: list[bytes] = []
-        self._release = threading.Event()
-        #: set once the held session's ReadyForQuery is held back
-        self.holding = threading.Event()
-        self._sockets: list[socket.socket] = []
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.port: int = self._listener.getsockname()[1]
-        threading.Thread(target=self._accept, name="answer-splitter", daemon=True).start()
-
-    def hold_ready_for(self, backend_pid: int) -> None:
-        with self._lock:
-            self._hold_pid = backend_pid
-
-    def release(self) -> None:
-        self._release.set()
-
-    def close(self) -> None:
-        self._release.set()
-        for sock in [self._listener, *self._sockets]:
-            try:
-                sock.close()
-            except OSError:
-                pass
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self._listener.accept()
-            except OSError:
-                return
-            server = socket.socket(self._upstream[0], socket.SOCK_STREAM)
-            server.connect(self._upstream[1])
-            self._sockets += [client, server]
-            threading.Thread(target=self._pump, args=(client, server), daemon=True).start()
-            threading.Thread(target=self._answers, args=(server, client), daemon=True).start()
-
-    @staticmethod
-    def _pump(source: socket.socket, target: socket.socket) -> None:
-        try:
-            while data := source.recv(65536):
-                target.sendall(data)
-        except OSError:
-            pass
-
-    def _answers(self, server: socket.socket, client: socket.socket) -> None:
-        buffer, pid, holding = b"", 0, False
-        try:
-            while data := server.recv(65536):
-                buffer += data
-                forward = b""
-                while len(buffer) >= 5:
-                    (length,) = struct.unpack("!I", buffer[1:5])
-                    if len(buffer) < 1 + length:
-                        break
-                    message, buffer = buffer[: 1 + length], buffer[1 + length :]
-                    kind = message[:1]
-                    if kind == b"K":  # BackendKeyData: this session's server process
-                        pid = struct.unpack("!I", message[5:9])[0]
-                    with self._lock:
-                        hold = pid == self._hold_pid and not self._release.is_set()
-                    if hold and (holding or kind == b"Z"):
-                        holding = True
-                        self._held.append(message)
-                        self.holding.set()
-                        continue
-                    forward += message
-                if forward:
-                    client.sendall(forward)
-                if holding and self._release.wait(30):
-                    client.sendall(b"".join(self._held))
-                    self._held, holding = [], False
-        except OSError:
-            pass
-
-
 @pytest.mark.usefixtures("busy")
 def test_a_claim_whose_connection_dies_raises_in_the_loop_and_keeps_the_queue_pending(
     make_connection: Callable[..., Connection], hub: Hub, dsn: str, schema: str, db: Any
@@ -384,7 +289,7 @@ def test_a_claim_error_read_before_the_end_of_its_answer_is_raised_when_the_answ
     # The test above once failed with DID NOT RAISE under load: it read the answer once,
     # when the socket turned readable, and the server flushes an ErrorResponse before
     # the ReadyForQuery that ends the answer. Here the end is held back on purpose.
-    proxy = _AnswerSplitter(dsn)
+    proxy = AnswerSplitter(dsn)
     conn = Connection(
         url_with(host="127.0.0.1", port=str(proxy.port)),
         transport_options={

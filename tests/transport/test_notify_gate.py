@@ -21,6 +21,7 @@ from psycopg import sql
 from kombu_pgqueue import bulk
 from kombu_pgqueue._listener import queue_token
 from kombu_pgqueue._sql import queries
+from kombu_pgqueue.records import Outgoing
 from tests.waiting import wait_for
 
 SENTINEL = "sentinel"
@@ -93,28 +94,19 @@ def test_a_consumer_that_starts_while_a_publish_commits_gets_it_without_polling(
     """The publish looked for a waiting consumer before the consumer started waiting,
     and commits after it: the consumer's first claim must wait for that commit."""
     worker = make_connection(polling_interval=3600)
-    channel = worker.transport.options.channel
     publish = queries(schema)["publish"]
     got: list[object] = []
     with psycopg.connect(dsn) as publisher:  # a transaction, open until commit()
-        publisher.execute(
-            publish,
-            {
-                "queue": "late",
-                "priority": 0,
-                "eta": None,
-                "expires_at": None,
-                "dedup_key": None,
-                "body": b'"in flight"',
-                "content_type": "application/json",
-                "content_encoding": "utf-8",
-                "headers": "{}",
-                "properties": "{}",
-                "replace": False,
-                "channel": channel,
-                "gate": True,
-            },
+        message = Outgoing(
+            queue="late",
+            body=b'"in flight"',
+            headers="{}",
+            properties="{}",
+            content_type="application/json",
+            content_encoding="utf-8",
         )
+        params = worker.default_channel.store.publish_params(message)
+        publisher.execute(publish, {**params, "gate": True})
         consumer = Consumer(
             worker, [Queue("late")], callbacks=[lambda body, m: (got.append(body), m.ack())]
         )

@@ -8,10 +8,6 @@ assertions count executions exactly instead of trusting results or logs.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -19,10 +15,11 @@ from typing import Any
 
 import psycopg
 import pytest
+from celery_workers import Worker, workers
 from lifecycle_app import create_ledger, make_app, open_gate, worker_env
 from psycopg import sql
 from psycopg.rows import dict_row
-from waiting import Process, wait_for
+from waiting import wait_for
 
 import kombu_pgqueue
 from kombu_pgqueue.admin import Broker
@@ -32,67 +29,20 @@ pytestmark = pytest.mark.celery
 HERE = Path(__file__).resolve().parent
 
 
-class Worker(Process):
-    """A ``celery worker`` process; waits that watch it fail at once if it exits."""
-
-    def kill(self) -> None:
-        """SIGKILL the main process and its pool children at once (OOM killer, crash)."""
-        os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(timeout=10)
-
-    def terminate(self) -> None:
-        """SIGTERM the main process only: Celery's warm shutdown."""
-        self.proc.send_signal(signal.SIGTERM)
-
-
 @pytest.fixture
 def spawn(dsn: str, schema: str, tmp_path: Path) -> Iterator[Callable[..., Worker]]:
-    started: list[Worker] = []
+    with workers(tmp_path) as started:
 
-    def spawn(name: str, *, concurrency: int = 1, **settings: Any) -> Worker:
-        log_path = tmp_path / f"worker-{name}.log"
-        with open(log_path, "wb") as log:
-            proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "celery",
-                    "-A",
-                    "lifecycle_app",
-                    "worker",
-                    "-n",
-                    f"{name}@%h",
-                    "-P",
-                    "prefork",
-                    "-c",
-                    str(concurrency),
-                    "-Q",
-                    "celery",
-                    "-l",
-                    "info",
-                    "--without-mingle",
-                    "--without-gossip",
-                    "--without-heartbeat",
-                ],
+        def spawn(name: str, *, concurrency: int = 1, **settings: Any) -> Worker:
+            return started.start(
+                "lifecycle_app",
+                name,
                 cwd=HERE,
                 env=worker_env(dsn, schema, **settings),
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
+                options=("-P", "prefork", "-c", str(concurrency), "-Q", "celery"),
             )
-        worker = Worker(name, proc, log_path)
-        started.append(worker)
-        return worker
 
-    try:
         yield spawn
-    finally:
-        for worker in started:
-            try:  # the group outlives its leader while orphaned pool children run
-                os.killpg(worker.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            worker.proc.wait(timeout=10)
 
 
 @pytest.fixture
