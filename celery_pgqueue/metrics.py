@@ -40,6 +40,16 @@ DEFAULT_INTERVAL = 10.0
 COUNTERS = {
     "claimed": ("pgqueue_claimed", "Messages handed out by claims.", True),
     "empty_claims": ("pgqueue_empty_claims", "Claims that found nothing to hand out.", True),
+    "handoffs": (
+        "pgqueue_handoffs",
+        "Messages a publish leased to a waiting consumer (no claim).",
+        True,
+    ),
+    "handbacks": (
+        "pgqueue_handbacks",
+        "Handed-off messages the consumer could not take then, released at once.",
+        True,
+    ),
     "redelivered": ("pgqueue_redelivered", "Claimed messages delivered before.", True),
     "acked": ("pgqueue_acked", "Messages acked.", False),
     "requeued": ("pgqueue_requeued", "Messages rejected with requeue.", False),

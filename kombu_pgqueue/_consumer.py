@@ -1,21 +1,19 @@
 """The consumer: one per transport, the one owner of everything about consuming.
 
 It holds the subscribed queues and the channel (a :class:`~._ledger.Sink`) that
-consumes each, the queues with news (pending wakeups), the claims in flight, batch
-sizes, where each queue resumes claiming, the safety-poll, sweep and due times, and
-the deliveries it holds (:class:`~._ledger.Held`: renewed, acked, rejected). It
-delivers through one callable (Kombu's ``Transport._deliver``); the transport calls
-``_loop.drain`` (synchronous consuming) or registers it with an event loop
-(:class:`~._loop.LoopDriver`), and passes acks, rejects and restores by tag.
+consumes each, the queues with news (pending wakeups), messages handed off to it, the
+claims in flight, batch sizes (:mod:`._windows`), where each queue resumes claiming,
+the safety-poll, sweep and due times, and the deliveries it holds (:class:`~._ledger.Held`:
+renewed, acked, rejected). It delivers through one callable (Kombu's ``_deliver``);
+the transport calls ``_loop.drain`` (synchronous consuming) or registers it with an
+event loop (:class:`~._loop.LoopDriver`), and passes acks, rejects and restores by tag.
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import psycopg
@@ -23,39 +21,14 @@ import psycopg
 from . import _counters, codec
 from ._claimer import Claimer
 from ._ledger import Held, Sink
-from ._listener import Listener, Wakeups
+from ._listener import Listener, Wakeups, queue_token
 from ._options import Options
 from ._resume import ResumePositions
 from ._store import Store, new_lease
-from .records import ClaimRequest, ClaimResult
-
-logger = logging.getLogger(__name__)
+from ._windows import IDLE_INLINE_SECONDS, SinkState, Subscription, batch_limit, has_room
+from .records import ClaimRequest, ClaimResult, Handoff
 
 Deliver = Callable[[dict[str, Any], str], None]
-
-#: a batch size for consumers that set no prefetch limit
-UNLIMITED_BATCH = 100
-
-#: seconds a consumer that still holds messages waits for three quarters of its window
-#: to free (see Consumer.batch_limit)
-CLAIM_BATCH_WAIT = 0.05
-
-#: a consumer that delivered nothing for this long claims in the event loop's own thread
-#: (the loop has nothing else to do): the hops to a claim thread and back came to about
-#: a tenth of the time from apply_async to task start on an idle prefork worker
-IDLE_INLINE_SECONDS = 0.02
-
-
-@dataclass(slots=True)
-class _Subscription:
-    sink: Sink
-    no_ack: bool
-
-
-@dataclass(slots=True)
-class _SinkState:
-    claiming: int = 0  # messages that claims in flight may still bring
-    last_claim: float = 0.0
 
 
 class Consumer:
@@ -75,10 +48,12 @@ class Consumer:
         self.held = Held(store, options)
         self.listener: Listener | None = None
         self.claimer: Claimer | None = None
-        self._subs: dict[str, _Subscription] = {}
-        self._sinks: dict[int, _SinkState] = {}
+        self._subs: dict[str, Subscription] = {}
+        self._sinks: dict[int, SinkState] = {}
         #: queues with news, not yet claimed from
         self.pending: set[str] = set()
+        #: messages publishes leased to this consumer, not yet delivered (see wake)
+        self.handed: list[Handoff] = []
         #: queues with a claim in flight, and those woken meanwhile
         self._inflight: set[str] = set()
         self._renotified: set[str] = set()
@@ -99,10 +74,12 @@ class Consumer:
     # -- subscriptions ---------------------------------------------------------------
 
     def subscribe(self, queue: str, sink: Sink, no_ack: bool) -> None:
-        self._subs[queue] = _Subscription(sink, no_ack)
+        self._subs[queue] = Subscription(sink, no_ack)
         self._state(sink)
         listener = self.ensure_listener()
         if listener is not None:  # notified from now on
+            if no_ack:
+                listener.no_ack.add(queue)
             self.wake(listener.watch([queue]))
         self.pending.add(queue)
         self.next_poll = 0.0  # its delayed messages' due times
@@ -158,30 +135,11 @@ class Consumer:
     # -- claiming ----------------------------------------------------------------------
 
     def batch_limit(self, sink: Sink) -> int:
-        """How many messages ``sink`` should claim now (0: not yet).
+        """How many messages ``sink`` should claim now (0: not yet; see _windows)."""
+        return batch_limit(sink, self._state(sink), self.clock())
 
-        Within the prefetch window, but not one slot at a time: while the channel still
-        holds more than a quarter of its window (and more than one message), it waits
-        (CLAIM_BATCH_WAIT at most). A quarter, not half: a prefork -c 2 worker (window
-        8) then claims 6 at a time, not 4, and its main process spent 269 instead of 318
-        us per no-op task (benchmarks/probes/drain_cpu.py).
-        """
-        room = sink.room()
-        if room is None:
-            return UNLIMITED_BATCH
-        state = self._state(sink)
-        room -= state.claiming
-        if room <= 0:
-            return 0
-        window = sink.window()
-        holding = window - room
-        recent = self.clock() - state.last_claim < CLAIM_BATCH_WAIT
-        if holding > max(1, window // 4) and recent:
-            return 0
-        return room
-
-    def _state(self, sink: Sink) -> _SinkState:
-        return self._sinks.setdefault(id(sink), _SinkState())
+    def _state(self, sink: Sink) -> SinkState:
+        return self._sinks.setdefault(id(sink), SinkState())
 
     def request(self, queue: str, sink: Sink, limit: int) -> ClaimRequest:
         """How to claim from ``queue`` now: from its head, or after its last message."""
@@ -231,7 +189,7 @@ class Consumer:
         in the chaos listenkill scenario); tasks delivered from a reader (the claim's
         answer on a readable socket) are written at once.
         """
-        delivered = 0
+        delivered = self._take_handoffs() if self.handed else 0
         for queue in list(self.pending):
             sub = self._subs.get(queue)
             if sub is None:
@@ -304,6 +262,16 @@ class Consumer:
         """Deliver one claim's messages; return a callback's error and what it left over,
         which the caller releases at once (not leased, unseen and unrenewed, until the
         lease ends)."""
+        error, rest = self._deliver_each(queue, payloads)
+        if error is not None:
+            return error, rest
+        if len(payloads) < limit and not renotified:
+            self.pending.discard(queue)  # drained
+        return self._turn(queue, limit, len(payloads))
+
+    def _deliver_each(
+        self, queue: str, payloads: list[dict[str, Any]]
+    ) -> tuple[BaseException | None, list[dict[str, Any]]]:
         if payloads:
             self._last_delivery = self.clock()
         for n, payload in enumerate(payloads):  # the queue stays pending if one raises
@@ -319,9 +287,35 @@ class Consumer:
                 self.held.poisoned(queue, payload, exc, None if sub is None else sub.sink)
             except BaseException as exc:  # the process is exiting: hand the rest back
                 return exc, payloads[n + 1 :]
-        if len(payloads) < limit and not renotified:
-            self.pending.discard(queue)  # drained
-        return self._turn(queue, limit, len(payloads))
+        return None, []
+
+    def _take_handoffs(self) -> int:
+        """Deliver what publishes handed off to this consumer as claimed messages; hand
+        back at once what it cannot take now: no room in its window (claims in flight
+        counted), or the queue not consumed with acks (docs/lifecycle.md, "Wakeups")."""
+        handed, self.handed = self.handed, []
+        tokens = {queue_token(queue): queue for queue in self._subs}
+        back: list[tuple[int, int]] = []
+        error: BaseException | None = None
+        for handoff in handed:
+            queue = tokens.get(handoff.token, "")
+            sub = self._subs.get(queue)
+            takes = sub is not None and not sub.no_ack and has_room(sub.sink, self._state(sub.sink))
+            if error is not None or not takes:
+                back.append((handoff.row.id, handoff.lease))
+                _counters.add("handbacks", queue)
+                if sub is not None:
+                    self.pending.add(queue)  # claimed again as its window opens
+                continue
+            _counters.add("handoffs", queue)
+            payload = codec.payload(handoff.row, queue, handoff.lease)
+            error, _ = self._deliver_each(queue, [payload])
+            if error is None:
+                error, _ = self._turn(queue, 1, 1)  # a window it filled: stop waiting
+        self.held.release(back)
+        if error is not None:
+            raise error
+        return len(handed) - len(back)
 
     def _turn(self, queue: str, limit: int, got: int) -> tuple[BaseException | None, list[Any]]:
         """Wait for ``queue`` only while it is drained and there is room for more (see
@@ -356,6 +350,7 @@ class Consumer:
 
     def wake(self, wake: Wakeups) -> float | None:
         """Note what notifications said; return a due time that is new, if any."""
+        self.handed.extend(wake.handoffs)
         woken = [queue for queue in wake.queues if queue in self._subs]
         self.pending.update(woken)
         self._renotified.update(q for q in woken if q in self._inflight)
@@ -391,6 +386,10 @@ class Consumer:
     def close(self) -> None:
         """Stop acking, renewing and listening; what is held returns when leases end
         (Kombu's channels restore their unacked messages before this)."""
+        with contextlib.suppress(Exception):  # hand back what was handed off, undelivered
+            self.handed.extend(self.listener.drain().handoffs if self.listener else [])
+        self.held.release([(handoff.row.id, handoff.lease) for handoff in self.handed])
+        self.handed = []
         self.held.close()
         self.stop_claimer()
         if self.listener is not None:

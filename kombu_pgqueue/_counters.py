@@ -13,6 +13,8 @@ from collections import Counter
 EVENTS = (
     "claimed",  # messages handed out by a claim
     "empty_claims",  # claims that found nothing (a wakeup for a message another took)
+    "handoffs",  # messages a publish leased to this consumer, delivered without a claim
+    "handbacks",  # of those, released at once: the consumer could not take them then
     "redelivered",  # of those, deliveries after the first (attempts > 1)
     "acked",  # acks sent (batched acks count when queued)
     "requeued",  # rejected with requeue=True

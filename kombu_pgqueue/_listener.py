@@ -2,9 +2,16 @@
 
 Publishers send ``pg_notify(<schema>.notify, payload)`` in the statement that makes
 rows visible. Payloads are ``r:<token>`` (messages are ready in the queue of that
-token, see :func:`queue_token`) or ``d:<epoch>`` (a delayed message falls due then).
-Any role that may connect can LISTEN on the channel, or NOTIFY on it: payloads name no
-queue, and a wakeup that was not a publisher's only costs a claim that finds nothing.
+token, see :func:`queue_token`), ``d:<epoch>`` (a delayed message falls due then), or
+``h:<consumer>:...`` (a message the publish leased to that consumer: a handoff, see
+:func:`parse_handoff`). Any role that may connect can LISTEN on the channel, or NOTIFY
+on it: payloads name no queue, and a wakeup that was not a publisher's only costs a
+claim that finds nothing. A handoff's payload holds the message itself: such a role
+reads it. A forged handoff names a lease no row has, so nothing it says can be acked.
+
+Each session registers as a *waiter* (table ``waiter``, migration 0008) of the queues it
+watches and may take handed-off messages from, under a new consumer id per session,
+and holds a lock that marks it alive while it lasts.
 
 Publishers notify only queues that somebody waits for: the listening session *watches*
 the queues its consumer consumes (advisory locks, see the top of ``sql/queries.sql``), so
@@ -14,9 +21,13 @@ listening session of the database.
 
 from __future__ import annotations
 
+import base64
+import binascii
+import contextlib
 import hashlib
 import logging
 import os
+import secrets
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -25,6 +36,7 @@ from psycopg import sql
 
 from . import _pool, _sql
 from ._options import Options
+from .records import Delivered, Handoff
 
 logger = logging.getLogger(__name__)
 
@@ -39,18 +51,54 @@ def queue_token(queue: str) -> str:
     return hashlib.md5(queue.encode("utf-8"), usedforsecurity=False).hexdigest()[:16]
 
 
+def parse_handoff(rest: str) -> Handoff | None:
+    """A handoff's payload after ``h:<consumer>:`` (as statement publish writes it):
+    ``<token>:<id>:<lease>:<priority>:<lengths of content type, content encoding ('-':
+    None), headers, properties>:<those four><body in base64>``; None if malformed."""
+    parts = rest.split(":", 8)
+    if len(parts) != 9:
+        return None
+    token, id_, lease, priority, *lengths, data = parts
+    try:
+        sizes = [-1 if n == "-" else int(n) for n in lengths]
+        texts: list[str | None] = []
+        at = 0
+        for size in sizes:
+            texts.append(None if size < 0 else data[at : at + max(size, 0)])
+            at += max(size, 0)
+        body = base64.b64decode(data[at:], validate=True)
+        row = Delivered(
+            int(id_), int(priority), 1, body, texts[0], texts[1], texts[2] or "", texts[3] or ""
+        )
+        return Handoff(token, int(lease), row)
+    except (ValueError, binascii.Error):
+        return None
+
+
 @dataclass(slots=True)
 class Wakeups:
-    """What a batch of notifications said: watched queues with news, a due time."""
+    """What a batch of notifications said: watched queues with news, a due time, and
+    messages handed off to this consumer."""
 
     #: token -> name of the queues watched
     tokens: dict[str, str]
     queues: set[str] = field(default_factory=set)
     due: float | None = None
+    #: this session's consumer id (handoffs addressed to it are ours)
+    consumer: str = ""
+    handoffs: list[Handoff] = field(default_factory=list)
 
     def add(self, payload: str) -> None:
         kind, _, rest = payload.partition(":")
-        if kind == "r":
+        if kind == "h":
+            consumer, _, rest = rest.partition(":")
+            if consumer and consumer == self.consumer:
+                handoff = parse_handoff(rest)
+                if handoff is not None:
+                    self.handoffs.append(handoff)
+                else:
+                    logger.warning("pgqueue: ignoring a malformed handoff %.80r", payload)
+        elif kind == "r":
             if rest in self.tokens:
                 self.queues.add(self.tokens[rest])
         elif kind == "d":
@@ -61,7 +109,13 @@ class Wakeups:
             self.due = when if self.due is None else min(self.due, when)
 
     def __bool__(self) -> bool:
-        return bool(self.queues) or self.due is not None
+        return bool(self.queues) or self.due is not None or bool(self.handoffs)
+
+    def merge(self, other: Wakeups) -> None:
+        self.queues.update(other.queues)
+        self.handoffs.extend(other.handoffs)
+        if other.due is not None:
+            self.due = other.due if self.due is None else min(self.due, other.due)
 
 
 class Listener:
@@ -73,6 +127,10 @@ class Listener:
         self._q = _sql.queries(options.schema)
         #: the queues this session watches (holds the waiting lock of), by token
         self.watched: dict[str, str] = {}
+        #: this session's id as a waiter (a new one per session)
+        self.consumer = ""
+        #: queues consumed without acks: no handoffs (a take deletes what it hands out)
+        self.no_ack: set[str] = set()
 
     def open(self) -> bool:
         """Connect if not connected; True if this opened a new session (which watches
@@ -87,6 +145,9 @@ class Listener:
             self.conn.execute(
                 sql.SQL("SET lock_timeout = {}").format(sql.Literal(BARRIER_TIMEOUT_MS))
             )
+            consumer = secrets.token_hex(8)
+            self.conn.execute(self._q["listener_alive"], {"consumer": consumer})
+            self.consumer = consumer
             self.watch(queues.values())
         except BaseException:  # the next open() tries again, and watches them all
             self.watched.update(queues)
@@ -103,7 +164,10 @@ class Listener:
         if not new or self.conn is None:
             return Wakeups(self.watched)
         params = {"channel": self.options.channel, "queues": new}
-        self.conn.execute(self._q["watch"], params)
+        takes = [q for q in new if q not in self.no_ack] if self.options.handoff else []
+        waiter = {"takes": takes, "consumer": self.consumer}
+        lease = {"lease_seconds": self.options.visibility_timeout}
+        self.conn.execute(self._q["watch"], {**params, **waiter, **lease})
         self.watched.update((queue_token(queue), queue) for queue in new)
         try:
             self.conn.execute(self._q["watch_barrier"], params)
@@ -134,7 +198,8 @@ class Listener:
             del self.watched[queue_token(queue)]
         if not gone or self.conn is None or self.conn.closed:
             return Wakeups(self.watched)
-        self.conn.execute(self._q["unwatch"], {"channel": self.options.channel, "queues": gone})
+        params = {"channel": self.options.channel, "queues": gone, "consumer": self.consumer}
+        self.conn.execute(self._q["unwatch"], params)
         return self.drain()
 
     def fileno(self) -> int:
@@ -144,7 +209,7 @@ class Listener:
     def wait(self, timeout: float | None) -> Wakeups:
         """Block up to ``timeout`` seconds for notifications; return all that came."""
         assert self.conn is not None
-        found = Wakeups(self.watched)
+        found = Wakeups(self.watched, consumer=self.consumer)
         for notify in self.conn.notifies(timeout=timeout, stop_after=1):
             found.add(notify.payload)
         if found:
@@ -157,6 +222,12 @@ class Listener:
         return self.wait(0)
 
     def close(self) -> None:
+        if self.conn is not None and not self.conn.closed and self._pid == os.getpid():
+            # stop being picked (a gone session's rows are removed by the next watch)
+            with contextlib.suppress(psycopg.Error):
+                queues = list(self.watched.values())
+                params = {"channel": self.options.channel, "consumer": self.consumer}
+                self.conn.execute(self._q["unwatch"], {**params, "queues": queues})
         conn, self.conn = self.conn, None
         if conn is not None and not conn.closed:
             try:

@@ -12,7 +12,8 @@ import time
 from typing import Any
 
 from ._claimer import Claimer
-from ._consumer import CLAIM_BATCH_WAIT, Consumer
+from ._consumer import Consumer
+from ._windows import CLAIM_BATCH_WAIT
 
 
 def drain(consumer: Consumer, timeout: float | None) -> None:
@@ -121,7 +122,7 @@ class LoopDriver:
             self._schedule_due(consumer.new_due)
         if consumer.next_poll == 0.0 and consumer.consuming:
             self._poll()
-        if consumer.pending:
+        if consumer.pending or consumer.handed:
             self._deliver(in_tick=True)
 
     def _on_due(self) -> None:

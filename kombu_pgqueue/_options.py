@@ -42,6 +42,11 @@ Transport options
   and unused ``x-expires`` queues.
 * ``listen`` (bool, True): wait on LISTEN/NOTIFY. Turn off behind PgBouncer in
   transaction mode (then also set ``prepare_threshold`` to None).
+* ``handoff`` (bool, True): a publish to a queue a consumer waits for leases the message
+  to that consumer in the publishing statement, and the NOTIFY carries it (up to 8000
+  bytes): no claim round trip. Off: a NOTIFY wakes consumers, which claim. The payload
+  is readable by any role that may LISTEN on the schema's channel in that database
+  (see docs/lifecycle.md, "Wakeups"); a publisher's option.
 * ``auto_migrate`` (bool, True): install or upgrade the schema on first connect.
   When off, a missing or old schema raises :class:`~kombu_pgqueue.SchemaError`
   naming ``python -m kombu_pgqueue migrate``.
@@ -124,6 +129,7 @@ class Options:
     polling_interval: float = 5.0
     sweep_interval: float = 30.0
     listen: bool = True
+    handoff: bool = True
     batch_acks: bool = True
     async_claims: bool = True
     dedup_task_ids: bool = True

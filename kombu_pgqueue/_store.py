@@ -38,6 +38,27 @@ def new_lease() -> int:
     return secrets.randbits(62) + 1
 
 
+#: PostgreSQL refuses a NOTIFY payload of 8000 bytes or more
+NOTIFY_PAYLOAD_LIMIT = 8000
+
+#: the most the fixed part of a handoff's payload takes: 'h:', the consumer's id and
+#: the queue's token (16 each), the id, lease and priority, four lengths, and colons
+HANDOFF_OVERHEAD = 2 + 16 + 16 + 3 * 20 + 4 * 11 + 9
+
+
+def handoff_fits(message: Outgoing) -> bool:
+    """Whether ``message`` may be handed off: no dedup key (a replaced message must not
+    keep a consumer's lease), and its NOTIFY payload (body in base64) fits."""
+    if message.dedup_key is not None:
+        return False
+    size = HANDOFF_OVERHEAD + 4 * -(-len(message.body) // 3)
+    for text in (message.content_type, message.content_encoding):
+        if text:
+            size += len(text.encode("utf-8"))
+    size += len(message.headers.encode("utf-8")) + len(message.properties.encode("utf-8"))
+    return size < NOTIFY_PAYLOAD_LIMIT
+
+
 class Store(Connected):
     """Typed access to one pgqueue schema: one method per named statement."""
 
@@ -53,15 +74,30 @@ class Store(Connected):
 
     def publish_params(self, message: Outgoing, *, replace: bool = False) -> dict[str, Any]:
         """Statement publish's parameters but ``gate`` (see :meth:`Connected._rows`)."""
-        return {**message.params(), "replace": replace, "channel": self.options.channel}
+        return {
+            **message.params(),
+            **self._handoff_params(message),
+            "replace": replace,
+            "channel": self.options.channel,
+        }
 
     def routed_params(self, exchange: str, routing_key: str, message: Outgoing) -> dict[str, Any]:
         """Statement publish_routed's parameters but ``gate``."""
         return {
             **message.params(),
+            **self._handoff_params(message),
             "exchange": exchange,
             "routing_key": routing_key,
             "channel": self.options.channel,
+        }
+
+    def _handoff_params(self, message: Outgoing) -> dict[str, Any]:
+        """Whether the publish may lease ``message`` to a waiting consumer, and the lease
+        it would take (see the top of sql/queries.sql)."""
+        return {
+            "handoff": self.options.handoff and handoff_fits(message),
+            "lease": new_lease(),
+            "lease_seconds": self.options.visibility_timeout,
         }
 
     def publish_many(self, messages: Sequence[Outgoing]) -> int:

@@ -73,6 +73,16 @@ class Delivered:
 
 
 @dataclass(frozen=True, slots=True)
+class Handoff:
+    """A message a publish leased to this consumer, as its NOTIFY carried it."""
+
+    #: the queue's token (see ``_listener.queue_token``)
+    token: str
+    lease: int
+    row: Delivered
+
+
+@dataclass(frozen=True, slots=True)
 class DeadLetter:
     id: int
     queue: str

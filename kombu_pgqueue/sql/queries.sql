@@ -18,24 +18,50 @@
 -- always notify: they must not hold 'pgqP' for as long as that transaction lasts. A
 -- delayed message always notifies its due time ('d:'): every consumer, waiting or busy,
 -- promotes due messages of the queues it consumes.
+--
+-- Handoff: a consumer that waits for a queue also has a row in table waiter (statement
+-- watch; migration 0008). A publish with gate and %(handoff)s picks one live waiter
+-- (function handoff_target), leases the new row to it as a claim would, and the NOTIFY
+-- carries the message to that consumer ('h:<consumer>:...'), which delivers it with no
+-- claim, or hands it back at once (statement release) if it cannot take it now.
 
 -- name: publish :one
 -- One message. A due message wakes consumers ('r:' + the queue's token: the first 16
 -- hex digits of the MD5 of its name, so a role that may LISTEN learns no queue names);
 -- a delayed one tells them when it falls due ('d:' + epoch seconds), so they can sleep
--- until then.
+-- until then. With %(handoff)s (set by the client: no dedup key, and the message fits a
+-- NOTIFY payload) and a consumer waiting, it is leased to that consumer as a claim
+-- would (%(lease)s, attempts 1) and the NOTIFY carries it ('h:', see payload below).
 -- A message whose dedup key is taken is skipped (no row returned), or, with
 -- %(replace)s, replaces the waiting one; one that a consumer holds is never replaced.
-WITH inserted AS (
+WITH target AS MATERIALIZED (
+    -- NULL: nobody waits (no NOTIFY); '': wake every consumer; else the consumer's id
+    SELECT CASE
+        WHEN coalesce(%(eta)s::timestamptz > now(), false) THEN NULL
+        WHEN %(handoff)s::boolean AND %(gate)s::boolean
+             AND coalesce(%(expires_at)s::timestamptz > now(), true)
+            THEN {schema}.handoff_target(%(channel)s, %(queue)s)
+        WHEN {schema}.notify_wanted(%(channel)s, %(queue)s, %(gate)s) THEN ''
+    END AS consumer
+),
+inserted AS (
     INSERT INTO {schema}.message AS m (
         queue, priority, delayed, next_iteration, expires_at, dedup_key,
-        body, content_type, content_encoding, headers, properties
+        body, content_type, content_encoding, headers, properties, lease, attempts
     )
-    VALUES (
+    SELECT
         %(queue)s,
         %(priority)s,
         coalesce(%(eta)s::timestamptz > now(), false),
-        coalesce(%(eta)s::timestamptz, now()),
+        CASE WHEN target.consumer <> ''
+            -- the lease the consumer renews (its visibility_timeout, not this client's)
+            THEN now() + make_interval(secs => coalesce((
+                SELECT w.lease_seconds
+                FROM {schema}.waiter AS w
+                WHERE w.queue = %(queue)s AND w.consumer = target.consumer
+            ), %(lease_seconds)s))
+            ELSE coalesce(%(eta)s::timestamptz, now())
+        END,
         least(
             %(expires_at)s::timestamptz,
             now() + (SELECT q.message_ttl FROM {schema}.queue AS q WHERE q.name = %(queue)s)
@@ -45,8 +71,10 @@ WITH inserted AS (
         %(content_type)s,
         %(content_encoding)s,
         %(headers)s::json,
-        %(properties)s::json
-    )
+        %(properties)s::json,
+        CASE WHEN target.consumer <> '' THEN %(lease)s::bigint END,
+        CASE WHEN target.consumer <> '' THEN 1 ELSE 0 END
+    FROM target
     ON CONFLICT (queue, dedup_key) WHERE dedup_key IS NOT NULL DO UPDATE
     SET priority = excluded.priority,
         delayed = excluded.delayed,
@@ -62,19 +90,40 @@ WITH inserted AS (
         attempts = 0
     WHERE %(replace)s::boolean
       AND (m.lease IS NULL OR m.next_iteration <= now())
-    RETURNING id, delayed, next_iteration
+    RETURNING id, delayed, next_iteration, lease
 )
 SELECT
     inserted.id,
-    CASE WHEN inserted.delayed OR {schema}.notify_wanted(%(channel)s, %(queue)s, %(gate)s)
-    THEN pg_notify(
-        %(channel)s,
-        CASE WHEN inserted.delayed
-            THEN 'd:' || extract(EPOCH FROM inserted.next_iteration)::text
-            ELSE 'r:' || left(md5(convert_to(%(queue)s, 'UTF8')), 16)
-        END
-    ) END
-FROM inserted;
+    CASE
+        WHEN inserted.delayed THEN pg_notify(
+            %(channel)s, 'd:' || extract(EPOCH FROM inserted.next_iteration)::text
+        )
+        WHEN inserted.lease IS NOT NULL THEN pg_notify(
+            %(channel)s,
+            -- h:<consumer>:<token>:<id>:<lease>:<priority>:<lengths of content type,
+            -- content encoding ('-': NULL), headers, properties>:<those four><body in
+            -- base64>; the client checked that it stays under NOTIFY's 8000 bytes
+            'h:' || target.consumer
+            || ':' || left(md5(convert_to(%(queue)s, 'UTF8')), 16)
+            || ':' || inserted.id
+            || ':' || inserted.lease
+            || ':' || %(priority)s::smallint
+            || ':' || coalesce(length(%(content_type)s::text)::text, '-')
+            || ':' || coalesce(length(%(content_encoding)s::text)::text, '-')
+            || ':' || length(%(headers)s::text)
+            || ':' || length(%(properties)s::text)
+            || ':' || coalesce(%(content_type)s::text, '')
+            || coalesce(%(content_encoding)s::text, '')
+            || %(headers)s::text
+            || %(properties)s::text
+            || translate(encode(%(body)s::bytea, 'base64'), E'\n', '')
+        )
+        WHEN target.consumer = '' THEN pg_notify(
+            %(channel)s, 'r:' || left(md5(convert_to(%(queue)s, 'UTF8')), 16)
+        )
+    END
+FROM inserted
+CROSS JOIN target;
 
 -- name: publish_many :many
 -- Many messages in one round trip, each column an array of the same length.
@@ -132,7 +181,8 @@ SELECT
 FROM wake;
 
 -- name: publish_routed :many
--- Routing happens here, against the shared bindings: one row per bound queue.
+-- Routing happens here, against the shared bindings: one row per bound queue. Each
+-- queue's copy is handed off, wakes, or announces its due time as publish's message.
 WITH target AS (
     SELECT DISTINCT b.queue
     FROM {schema}.binding AS b
@@ -144,39 +194,81 @@ WITH target AS (
           OR (e.type = 'topic' AND %(routing_key)s ~ b.pattern)
       )
 ),
+waiting AS MATERIALIZED (
+    -- NULL: nobody waits (no NOTIFY); '': wake every consumer; else the consumer's id
+    SELECT
+        target.queue,
+        CASE
+            WHEN coalesce(%(eta)s::timestamptz > now(), false) THEN NULL
+            WHEN %(handoff)s::boolean AND %(gate)s::boolean
+                 AND coalesce(%(expires_at)s::timestamptz > now(), true)
+                THEN {schema}.handoff_target(%(channel)s, target.queue)
+            WHEN {schema}.notify_wanted(%(channel)s, target.queue, %(gate)s) THEN ''
+        END AS consumer
+    FROM target
+),
 inserted AS (
     INSERT INTO {schema}.message (
         queue, priority, delayed, next_iteration, expires_at, dedup_key,
-        body, content_type, content_encoding, headers, properties
+        body, content_type, content_encoding, headers, properties, lease, attempts
     )
     SELECT
-        target.queue,
+        waiting.queue,
         %(priority)s,
         coalesce(%(eta)s::timestamptz > now(), false),
-        coalesce(%(eta)s::timestamptz, now()),
+        CASE WHEN waiting.consumer <> ''
+            -- the lease the consumer renews (its visibility_timeout, not this client's)
+            THEN now() + make_interval(secs => coalesce((
+                SELECT w.lease_seconds
+                FROM {schema}.waiter AS w
+                WHERE w.queue = waiting.queue AND w.consumer = waiting.consumer
+            ), %(lease_seconds)s))
+            ELSE coalesce(%(eta)s::timestamptz, now())
+        END,
         least(%(expires_at)s::timestamptz, now() + q.message_ttl),
         %(dedup_key)s,
         %(body)s,
         %(content_type)s,
         %(content_encoding)s,
         %(headers)s::json,
-        %(properties)s::json
-    FROM target
-    LEFT JOIN {schema}.queue AS q ON q.name = target.queue
+        %(properties)s::json,
+        CASE WHEN waiting.consumer <> '' THEN %(lease)s::bigint END,
+        CASE WHEN waiting.consumer <> '' THEN 1 ELSE 0 END
+    FROM waiting
+    LEFT JOIN {schema}.queue AS q ON q.name = waiting.queue
     ON CONFLICT (queue, dedup_key) WHERE dedup_key IS NOT NULL DO NOTHING
-    RETURNING queue, delayed, next_iteration
+    RETURNING id, queue, delayed, next_iteration, lease
 )
 SELECT
     inserted.queue,
-    CASE WHEN inserted.delayed OR {schema}.notify_wanted(%(channel)s, inserted.queue, %(gate)s)
-    THEN pg_notify(
-        %(channel)s,
-        CASE WHEN inserted.delayed
-            THEN 'd:' || extract(EPOCH FROM inserted.next_iteration)::text
-            ELSE 'r:' || left(md5(convert_to(inserted.queue, 'UTF8')), 16)
-        END
-    ) END
+    CASE
+        WHEN inserted.delayed THEN pg_notify(
+            %(channel)s, 'd:' || extract(EPOCH FROM inserted.next_iteration)::text
+        )
+        WHEN inserted.lease IS NOT NULL THEN pg_notify(
+            %(channel)s,
+            -- as publish's
+            'h:' || waiting.consumer
+            || ':' || left(md5(convert_to(inserted.queue, 'UTF8')), 16)
+            || ':' || inserted.id
+            || ':' || inserted.lease
+            || ':' || %(priority)s::smallint
+            || ':' || coalesce(length(%(content_type)s::text)::text, '-')
+            || ':' || coalesce(length(%(content_encoding)s::text)::text, '-')
+            || ':' || length(%(headers)s::text)
+            || ':' || length(%(properties)s::text)
+            || ':' || coalesce(%(content_type)s::text, '')
+            || coalesce(%(content_encoding)s::text, '')
+            || %(headers)s::text
+            || %(properties)s::text
+            || translate(encode(%(body)s::bytea, 'base64'), E'\n', '')
+        )
+        WHEN waiting.consumer = '' THEN pg_notify(
+            %(channel)s, 'r:' || left(md5(convert_to(inserted.queue, 'UTF8')), 16)
+        )
+    END
 FROM inserted
+JOIN waiting ON waiting.queue = inserted.queue
 -- no binding matched at all (not: every copy was a duplicate): one row, queue NULL
 UNION ALL
 SELECT NULL, NULL
@@ -783,12 +875,30 @@ SELECT
 FROM pg_catalog.pg_database AS d
 WHERE d.datname = current_database();
 
+-- name: listener_alive :none
+-- A LISTEN session's mark that its consumer (the id it registers as a waiter) lives,
+-- until the session ends (see handoff_target, migration 0008).
+SELECT pg_advisory_lock(1885827395, hashtext(%(consumer)s::text));
+
 -- name: watch :none
 -- A consumer's LISTEN session starts waiting for these queues: publishes to them notify
--- from now on (see the top of this file). Session locks, gone with the session.
+-- from now on (see the top of this file). Session locks, gone with the session. Of
+-- %(takes)s (those it may take a handed-off message from) it becomes a waiter, and
+-- removes the waiters of these queues whose session is gone on the way.
+WITH gone AS (
+    DELETE FROM {schema}.waiter AS w
+    WHERE w.queue = ANY(%(queues)s::text[])
+      AND w.consumer <> %(consumer)s
+      AND pg_try_advisory_xact_lock_shared(1885827395, hashtext(w.consumer))
+),
+joined AS (
+    INSERT INTO {schema}.waiter (queue, consumer, lease_seconds)
+    SELECT DISTINCT q.name, %(consumer)s, %(lease_seconds)s::float8
+    FROM unnest(%(takes)s::text[]) AS q (name)
+    ON CONFLICT DO NOTHING
+)
 SELECT pg_advisory_lock_shared(1885827415, hashtext(%(channel)s::text || ':' || q.name))
 FROM unnest(%(queues)s::text[]) AS q (name);
-
 -- name: watch_barrier :none
 -- Then waits for the publishes that looked for a waiting consumer before watch: they
 -- hold 'pgqP' shared until they commit. In key order, so that two consumers arming at
@@ -801,6 +911,11 @@ FROM (
 ) AS keys;
 
 -- name: unwatch :none
--- The consumer no longer consumes these queues.
+-- The consumer no longer waits for these queues (it has a backlog, or stopped).
+WITH stopped AS (
+    DELETE FROM {schema}.waiter
+    WHERE consumer = %(consumer)s
+      AND queue = ANY(%(queues)s::text[])
+)
 SELECT pg_advisory_unlock_shared(1885827415, hashtext(%(channel)s::text || ':' || q.name))
 FROM unnest(%(queues)s::text[]) AS q (name);

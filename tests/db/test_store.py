@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from datetime import datetime
 
@@ -44,7 +45,8 @@ def test_publish_dedup_key_stores_one_message(store: Store) -> None:
 
 
 def test_publish_notifies_the_schema_channel_with_the_queues_token(store: Store, dsn: str) -> None:
-    watching = Listener(dsn, store.options)  # as a consumer of both queues
+    # as a consumer of both queues that takes no handoffs (see tests/transport/test_handoff.py)
+    watching = Listener(dsn, dataclasses.replace(store.options, handoff=False))
     watching.open()
     watching.watch(["wake me", "ünï ☃"])
     try:

@@ -453,7 +453,7 @@ def test_drain_events_still_delivers_while_registered_with_a_loop(
 def test_an_idle_consumer_waits_for_its_claim_then_sends_claims_without_waiting(
     make_connection: Callable[..., Connection], hub: Hub, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    conn = _registered(make_connection, hub, "cti", 0)
+    conn = _registered(make_connection, hub, "cti", 0, handoff=False)  # it claims
     consumer = conn.transport.consumer
     how = _spy_claims(conn, monkeypatch)
     got: list[int] = []

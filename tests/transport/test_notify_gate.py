@@ -27,6 +27,13 @@ from tests.waiting import wait_for
 SENTINEL = "sentinel"
 
 
+# these tests are about wakeups and claims: the consumers take no handoffs
+# (tests/transport/test_handoff.py)
+@pytest.fixture
+def transport_options(transport_options: dict[str, object]) -> dict[str, object]:
+    return {**transport_options, "handoff": False}
+
+
 @pytest.fixture
 def observer(connection: Connection, dsn: str) -> Iterator[psycopg.Connection]:
     """A session that LISTENs on the broker's channel, as a worker's listener does."""

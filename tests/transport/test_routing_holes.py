@@ -17,6 +17,13 @@ from kombu_pgqueue.admin import counters
 from kombu_pgqueue.transport import Transport
 
 
+# wakeups, not handoffs, whose payload carries the message (its properties name
+# the routing key; see docs/lifecycle.md, "Wakeups")
+@pytest.fixture
+def transport_options(transport_options: dict[str, object]) -> dict[str, object]:
+    return {**transport_options, "handoff": False}
+
+
 def _notifications(conn: psycopg.Connection) -> list[str]:
     return [n.payload for n in conn.notifies(timeout=0.5, stop_after=50)]
 

@@ -13,7 +13,8 @@ GRANT CREATE ON DATABASE {database} TO {role};
 -- is a decision, and tests/db/test_least_privilege.py fails until it is made.
 GRANT USAGE ON SCHEMA {schema} TO {role};
 GRANT SELECT, INSERT, UPDATE, DELETE
-    ON {schema}.queue, {schema}.exchange, {schema}.binding, {schema}.message, {schema}.dead_letter
+    ON {schema}.queue, {schema}.exchange, {schema}.binding, {schema}.message, {schema}.dead_letter,
+       {schema}.waiter
     TO {role};
 GRANT SELECT ON {schema}.schema_migration TO {role};
 

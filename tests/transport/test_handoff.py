@@ -1,0 +1,245 @@
+"""Handoff: a publish leases its message to a consumer that waits for the queue, and the
+NOTIFY carries it, so that consumer delivers it without a claim round trip.
+
+Every guarantee of a claimed message holds for a handed-off one: its lease is renewed and
+fences its ack, it counts against max_attempts, and if its consumer dies the lease ends
+and it is claimed again. A consumer that cannot take it then (its window full, the queue
+no longer consumed) hands it back at once, and a waiting consumer claims it: no safety
+poll (every worker here polls once an hour).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import psycopg
+import pytest
+from kombu import Connection, Consumer, Producer, Queue
+from kombu.message import Message
+
+from kombu_pgqueue import _counters
+from kombu_pgqueue._store import handoff_fits, new_lease
+from kombu_pgqueue.records import Outgoing
+from tests.waiting import wait_for
+
+HOUR = 3600
+
+
+def _count(event: str, queue: str) -> int:
+    return _counters.snapshot().get((event, queue), 0)
+
+
+def _counts(queue: str) -> dict[str, int]:
+    events = ("handoffs", "handbacks", "claimed", "empty_claims")
+    return {event: _count(event, queue) for event in events}
+
+
+def _since(before: dict[str, int], queue: str) -> dict[str, int]:
+    return {event: _count(event, queue) - n for event, n in before.items()}
+
+
+def _row(db: psycopg.Connection, schema: str, queue: str) -> tuple[Any, ...] | None:
+    return db.execute(
+        f'SELECT id, lease, attempts FROM "{schema}".message WHERE queue = %s',  # noqa: S608
+        [queue],
+    ).fetchone()
+
+
+def _settle(worker: Connection) -> None:
+    """The claim every new subscription starts with (it finds the queue empty)."""
+    worker.transport.consumer.deliver_pending(inline=True)
+
+
+def test_a_waiting_consumer_gets_a_message_without_a_claim(
+    connection: Connection, make_connection: Callable[..., Connection], db, schema: str
+) -> None:
+    worker = make_connection(polling_interval=HOUR)
+    got: list[Message] = []
+    with Consumer(worker, [Queue("h")], callbacks=[lambda body, message: got.append(message)]):
+        _settle(worker)
+        before = _counts("h")
+        Producer(connection).publish({"n": 1}, routing_key="h", priority=3)
+        worker.drain_events(timeout=10)
+
+        assert [m.decode() for m in got] == [{"n": 1}]
+        assert _since(before, "h") == {
+            "handoffs": 1,
+            "handbacks": 0,
+            "claimed": 0,
+            "empty_claims": 0,
+        }
+        info = got[0].delivery_info
+        assert info["pgqueue_attempts"] == 1 and not info["redelivered"]
+        assert got[0].properties["priority"] == 3
+        row = _row(db, schema, "h")
+        assert row is not None and row[2] == 1  # leased as a claim would
+        assert got[0].delivery_tag == f"{row[0]}.{row[1]}"  # tagged with that lease
+        got[0].ack()
+        assert _row(db, schema, "h") is None
+
+
+def test_the_ack_of_a_handoff_is_fenced_by_its_lease(
+    connection: Connection, make_connection: Callable[..., Connection], db, schema, store, later
+) -> None:
+    worker = make_connection(polling_interval=HOUR, visibility_timeout=30)
+    got: list[Message] = []
+    with Consumer(worker, [Queue("h")], callbacks=[lambda body, message: got.append(message)]):
+        _settle(worker)
+        before = _counts("h")
+        Producer(connection).publish("x", routing_key="h")
+        worker.drain_events(timeout=10)
+        assert _since(before, "h")["handoffs"] == 1
+        row = _row(db, schema, "h")
+        assert row is not None
+        assert store.claim("h", 1, new_lease()) == []  # leased: no claim takes it
+        assert not store.ack(row[0], row[1] + 1)  # another lease cannot ack it
+        # the lease ended (the consumer looked dead): claimed again, with a new lease
+        again = store.claim("h", 1, new_lease(), now=later(31))
+        assert [m.id for m in again] == [row[0]] and again[0].attempts == 2
+        got[0].ack()  # the old delivery's ack deletes nothing
+        assert _row(db, schema, "h") is not None
+
+
+def test_a_consumer_that_cannot_take_a_handoff_hands_it_back_to_one_that_can(
+    connection: Connection, make_connection: Callable[..., Connection], db, schema: str
+) -> None:
+    """The consumer picked is the only waiter, its window full by another queue; the
+    other consumer watches the queue without taking handoffs, and claims it at once."""
+    producer = Producer(connection)
+    producer.publish("busy", routing_key="other")
+    full = make_connection(polling_interval=HOUR)
+    idle = make_connection(polling_interval=HOUR, handoff=False)
+    held: list[Message] = []
+    got: list[Message] = []
+    full.default_channel.basic_qos(0, 1, False)
+    with (
+        Consumer(full, [Queue("h"), Queue("other")], callbacks=[lambda b, m: held.append(m)]),
+        Consumer(idle, [Queue("h")], callbacks=[lambda b, m: got.append(m)]),
+    ):
+        full.drain_events(timeout=10)
+        assert [m.body for m in held] == [b"busy"]  # its window (1) is full
+        _settle(full)
+        _settle(idle)
+        before = _counts("h")
+        producer.publish("x", routing_key="h")
+        row = _row(db, schema, "h")
+        assert row is not None and row[1] is not None  # handed off to `full`
+
+        consumer = full.transport.consumer
+        assert consumer.listener is not None
+        consumer.wake(wait_for(lambda: consumer.listener.wait(1), 10, "the handoff"))
+        assert consumer.deliver_pending(inline=True) == 0
+        idle.drain_events(timeout=10)
+
+        assert [m.body for m in got] == [b"x"]
+        assert got[0].delivery_info["pgqueue_attempts"] == 1  # handing back did not count
+        assert held == [held[0]]
+        counted = _since(before, "h")
+        assert (counted["handoffs"], counted["handbacks"], counted["claimed"]) == (0, 1, 1)
+
+
+def test_a_message_handed_to_a_consumer_that_died_comes_back_after_one_lease(
+    connection: Connection, make_connection: Callable[..., Connection], db, schema, store, later
+) -> None:
+    worker = make_connection(polling_interval=HOUR, visibility_timeout=30)
+    with Consumer(worker, [Queue("h")], callbacks=[]):
+        _settle(worker)
+        Producer(connection).publish("x", routing_key="h")
+        row = _row(db, schema, "h")
+        assert row is not None and row[1] is not None  # handed off, never read: it died
+        assert store.claim("h", 1, new_lease(), now=later(29)) == []
+        again = store.claim("h", 1, new_lease(), now=later(31))
+        assert [m.id for m in again] == [row[0]] and again[0].attempts == 2
+
+
+def test_a_waiter_whose_session_is_gone_is_not_handed_anything(
+    connection: Connection, make_connection: Callable[..., Connection], db, schema: str
+) -> None:
+    gone = make_connection(polling_interval=HOUR)
+    watcher = make_connection(polling_interval=HOUR, handoff=False)
+    got: list[Message] = []
+    with (
+        Consumer(gone, [Queue("h")], callbacks=[]),
+        Consumer(watcher, [Queue("h")], callbacks=[lambda b, m: got.append(m)]),
+    ):
+        _settle(gone)
+        _settle(watcher)
+        listener = gone.transport.consumer.listener
+        assert listener is not None
+        pid = listener.conn.info.backend_pid
+        # its row stays (nobody removed it), its liveness lock went with the session
+        db.execute("SELECT pg_terminate_backend(%s)", [pid])
+        wait_for(
+            lambda: (
+                not db.execute("SELECT 1 FROM pg_stat_activity WHERE pid = %s", [pid]).fetchone()
+            ),
+            10,
+            "the session to end",
+        )
+        Producer(connection).publish("x", routing_key="h")
+        row = _row(db, schema, "h")
+        assert row is not None and row[1] is None  # not leased: every consumer woken
+        watcher.drain_events(timeout=10)
+        assert [m.body for m in got] == [b"x"]
+
+
+def test_max_attempts_counts_a_handoff_as_a_delivery(
+    connection: Connection, make_connection: Callable[..., Connection], db, schema: str
+) -> None:
+    worker = make_connection(polling_interval=HOUR, max_attempts=2)
+    got: list[Message] = []
+    with Consumer(worker, [Queue("h")], callbacks=[lambda body, message: got.append(message)]):
+        _settle(worker)
+        before = _counts("h")
+        Producer(connection).publish("x", routing_key="h")
+        worker.drain_events(timeout=10)
+        assert _since(before, "h")["handoffs"] == 1
+        got[0].requeue()  # attempt 1 (the handoff)
+        worker.drain_events(timeout=10)
+        assert got[1].delivery_info["pgqueue_attempts"] == 2
+        got[1].requeue()  # attempt 2: the next claim dead-letters it
+        consumer = worker.transport.consumer
+        assert consumer.listener is not None
+        consumer.wake(wait_for(lambda: consumer.listener.wait(1), 10, "the requeue's wakeup"))
+        assert consumer.deliver_pending(inline=True) == 0
+        reason = db.execute(f'SELECT reason, attempts FROM "{schema}".dead_letter').fetchone()  # noqa: S608
+        assert reason == ("max_attempts", 2)
+        assert len(got) == 2
+
+
+@pytest.mark.parametrize("size, handed", [(5000, True), (6000, False)])
+def test_a_message_too_big_for_a_notify_is_claimed_as_before(
+    connection: Connection,
+    make_connection: Callable[..., Connection],
+    size: int,
+    handed: bool,
+) -> None:
+    worker = make_connection(polling_interval=HOUR)
+    got: list[Message] = []
+    with Consumer(worker, [Queue("h")], callbacks=[lambda body, message: got.append(message)]):
+        _settle(worker)
+        before = _counts("h")
+        body = b"\xff" * size  # base64: 4/3 of it
+        Producer(connection).publish(
+            body,
+            routing_key="h",
+            serializer=None,
+            content_type="application/data",
+            content_encoding="binary",
+        )
+        worker.drain_events(timeout=10)
+        assert [m.body for m in got] == [body]
+        counted = _since(before, "h")
+        assert (counted["handoffs"], counted["claimed"]) == ((1, 0) if handed else (0, 1))
+
+
+def test_handoff_fits_counts_the_payload_in_bytes() -> None:
+    small = Outgoing(queue="q", body=b"x" * 4000, headers="{}", properties="{}")
+    assert handoff_fits(small)
+    assert not handoff_fits(Outgoing(queue="q", body=b"x" * 6000, headers="{}", properties="{}"))
+    wide = "é" * 1500  # 2 bytes each in UTF-8: 3000 bytes, with the body 8336
+    assert not handoff_fits(Outgoing(queue="q", body=b"x" * 4000, headers=wide, properties="{}"))
+    assert not handoff_fits(
+        Outgoing(queue="q", body=b"x", headers="{}", properties="{}", dedup_key="k")
+    )
