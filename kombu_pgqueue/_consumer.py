@@ -20,6 +20,7 @@ import psycopg
 
 from . import _counters, codec
 from ._claimer import Claimer
+from ._handoffs import late
 from ._ledger import Held, Sink
 from ._listener import Listener, Wakeups, queue_token
 from ._options import Options
@@ -301,7 +302,7 @@ class Consumer:
             queue = tokens.get(handoff.token, "")
             sub = self._subs.get(queue)
             takes = sub is not None and not sub.no_ack and has_room(sub.sink, self._state(sub.sink))
-            if error is not None or not takes:
+            if error is not None or not takes or late(handoff, self.options, time.time()):
                 back.append((handoff.row.id, handoff.lease))
                 _counters.add("handbacks", queue)
                 if sub is not None:

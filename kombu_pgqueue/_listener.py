@@ -4,7 +4,7 @@ Publishers send ``pg_notify(<schema>.notify, payload)`` in the statement that ma
 rows visible. Payloads are ``r:<token>`` (messages are ready in the queue of that
 token, see :func:`queue_token`), ``d:<epoch>`` (a delayed message falls due then), or
 ``h:<consumer>:...`` (a message the publish leased to that consumer: a handoff, see
-:func:`parse_handoff`). Any role that may connect can LISTEN on the channel, or NOTIFY
+:func:`~._handoffs.parse_handoff`). Any role that may connect can LISTEN on the channel, or NOTIFY
 on it: payloads name no queue, and a wakeup that was not a publisher's only costs a
 claim that finds nothing. A handoff's payload holds the message itself: such a role
 reads it. A forged handoff names a lease no row has, so nothing it says can be acked.
@@ -21,8 +21,6 @@ listening session of the database.
 
 from __future__ import annotations
 
-import base64
-import binascii
 import contextlib
 import hashlib
 import logging
@@ -35,8 +33,9 @@ import psycopg
 from psycopg import sql
 
 from . import _pool, _sql
+from ._handoffs import parse_handoff
 from ._options import Options
-from .records import Delivered, Handoff
+from .records import Handoff
 
 logger = logging.getLogger(__name__)
 
@@ -49,30 +48,6 @@ def queue_token(queue: str) -> str:
     """The opaque id of ``queue`` in notifications: as the statements compute it,
     ``left(md5(convert_to(queue, 'UTF8')), 16)``."""
     return hashlib.md5(queue.encode("utf-8"), usedforsecurity=False).hexdigest()[:16]
-
-
-def parse_handoff(rest: str) -> Handoff | None:
-    """A handoff's payload after ``h:<consumer>:`` (as statement publish writes it):
-    ``<token>:<id>:<lease>:<priority>:<lengths of content type, content encoding ('-':
-    None), headers, properties>:<those four><body in base64>``; None if malformed."""
-    parts = rest.split(":", 8)
-    if len(parts) != 9:
-        return None
-    token, id_, lease, priority, *lengths, data = parts
-    try:
-        sizes = [-1 if n == "-" else int(n) for n in lengths]
-        texts: list[str | None] = []
-        at = 0
-        for size in sizes:
-            texts.append(None if size < 0 else data[at : at + max(size, 0)])
-            at += max(size, 0)
-        body = base64.b64decode(data[at:], validate=True)
-        row = Delivered(
-            int(id_), int(priority), 1, body, texts[0], texts[1], texts[2] or "", texts[3] or ""
-        )
-        return Handoff(token, int(lease), row)
-    except (ValueError, binascii.Error):
-        return None
 
 
 @dataclass(slots=True)

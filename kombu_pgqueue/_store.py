@@ -42,8 +42,9 @@ def new_lease() -> int:
 NOTIFY_PAYLOAD_LIMIT = 8000
 
 #: the most the fixed part of a handoff's payload takes: 'h:', the consumer's id and
-#: the queue's token (16 each), the id, lease and priority, four lengths, and colons
-HANDOFF_OVERHEAD = 2 + 16 + 16 + 3 * 20 + 4 * 11 + 9
+#: the queue's token (16 each), the id, lease, lease end and priority, four lengths,
+#: and colons
+HANDOFF_OVERHEAD = 2 + 16 + 16 + 4 * 24 + 4 * 11 + 10
 
 
 def handoff_fits(message: Outgoing) -> bool:

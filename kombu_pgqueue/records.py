@@ -79,6 +79,8 @@ class Handoff:
     #: the queue's token (see ``_listener.queue_token``)
     token: str
     lease: int
+    #: when the lease ends (epoch seconds, the server's clock)
+    until: float
     row: Delivered
 
 

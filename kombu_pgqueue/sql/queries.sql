@@ -100,13 +100,15 @@ SELECT
         )
         WHEN inserted.lease IS NOT NULL THEN pg_notify(
             %(channel)s,
-            -- h:<consumer>:<token>:<id>:<lease>:<priority>:<lengths of content type,
-            -- content encoding ('-': NULL), headers, properties>:<those four><body in
-            -- base64>; the client checked that it stays under NOTIFY's 8000 bytes
+            -- h:<consumer>:<token>:<id>:<lease>:<lease end, epoch>:<priority>:<lengths
+            -- of content type, content encoding ('-': NULL), headers, properties>:<those
+            -- four><body in base64>; the client checked that it stays under NOTIFY's
+            -- 8000 bytes
             'h:' || target.consumer
             || ':' || left(md5(convert_to(%(queue)s, 'UTF8')), 16)
             || ':' || inserted.id
             || ':' || inserted.lease
+            || ':' || extract(EPOCH FROM inserted.next_iteration)
             || ':' || %(priority)s::smallint
             || ':' || coalesce(length(%(content_type)s::text)::text, '-')
             || ':' || coalesce(length(%(content_encoding)s::text)::text, '-')
@@ -252,6 +254,7 @@ SELECT
             || ':' || left(md5(convert_to(inserted.queue, 'UTF8')), 16)
             || ':' || inserted.id
             || ':' || inserted.lease
+            || ':' || extract(EPOCH FROM inserted.next_iteration)
             || ':' || %(priority)s::smallint
             || ':' || coalesce(length(%(content_type)s::text)::text, '-')
             || ':' || coalesce(length(%(content_encoding)s::text)::text, '-')

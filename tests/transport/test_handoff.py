@@ -243,3 +243,53 @@ def test_handoff_fits_counts_the_payload_in_bytes() -> None:
     assert not handoff_fits(
         Outgoing(queue="q", body=b"x", headers="{}", properties="{}", dedup_key="k")
     )
+
+
+def test_a_handoff_read_after_much_of_its_lease_is_handed_back_and_claimed(
+    connection: Connection, make_connection: Callable[..., Connection], db, schema: str
+) -> None:
+    """A handoff read with less of its lease left than one renewal interval leaves (as if
+    the consumer's loop was blocked that long) is not delivered on that lease: it could
+    end before the lease keeper renews it. Here the lease is made short instead."""
+    worker = make_connection(polling_interval=HOUR, visibility_timeout=30)  # renews at 10 s
+    got: list[Message] = []
+    with Consumer(worker, [Queue("h")], callbacks=[lambda body, message: got.append(message)]):
+        _settle(worker)
+        db.execute(f'UPDATE "{schema}".waiter SET lease_seconds = 5')  # noqa: S608
+        before = _counts("h")
+        Producer(connection).publish("x", routing_key="h")
+        worker.drain_events(timeout=10)
+
+        assert [m.body for m in got] == [b"x"]
+        counted = _since(before, "h")
+        assert (counted["handoffs"], counted["handbacks"], counted["claimed"]) == (0, 1, 1)
+        assert got[0].delivery_info["pgqueue_attempts"] == 1
+
+
+def test_in_an_event_loop_a_burst_is_handed_off_up_to_the_window_and_claimed_after(
+    connection: Connection, make_connection: Callable[..., Connection], hub
+) -> None:
+    """A worker (prefetch 4) waits in an event loop; 30 messages arrive at once. It takes
+    handoffs while its window has room, hands back the rest, and claims them as it acks:
+    each delivered once, none waiting for the safety poll."""
+    worker = make_connection(polling_interval=HOUR)
+    worker.transport.register_with_event_loop(worker.connection, hub)
+    got: list[int] = []
+    Consumer(
+        worker,
+        [Queue("hl")],
+        callbacks=[lambda body, message: (got.append(body), message.ack())],
+        prefetch_count=4,
+    ).consume()
+    hub.run_until(lambda: "hl" not in worker.transport.consumer.pending, 10, "the first claim")
+    before = _counts("hl")
+    producer = Producer(connection)
+    for i in range(30):
+        producer.publish(i, routing_key="hl")
+
+    hub.run_until(lambda: len(got) == 30, 20, "30 deliveries")
+
+    assert sorted(got) == list(range(30))
+    counted = _since(before, "hl")
+    assert counted["handoffs"] >= 1
+    assert counted["handoffs"] + counted["claimed"] == 30
