@@ -52,14 +52,18 @@ def window(ctx: Ctx) -> float:
 
 
 def without_notify(text: str) -> str:
-    """``text`` with its ``pg_notify(...)`` call replaced by NULL (the rest unchanged)."""
-    start = text.index("pg_notify(")
-    depth = 0
-    for i in range(start + len("pg_notify"), len(text)):
-        depth += {"(": 1, ")": -1}.get(text[i], 0)
-        if depth == 0:
-            return text[:start] + "NULL" + text[i + 1 :]
-    raise ValueError("unbalanced pg_notify(")
+    """``text`` with each ``pg_notify(...)`` call replaced by NULL (the rest unchanged)."""
+    while "pg_notify(" in text:
+        start = text.index("pg_notify(")
+        depth = 0
+        for i in range(start + len("pg_notify"), len(text)):
+            depth += {"(": 1, ")": -1}.get(text[i], 0)
+            if depth == 0:
+                text = text[:start] + "NULL" + text[i + 1 :]
+                break
+        else:
+            raise ValueError("unbalanced pg_notify(")
+    return text
 
 
 _SWAPPED = ("publish", "publish_routed")
