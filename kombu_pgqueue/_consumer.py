@@ -79,8 +79,7 @@ class Consumer:
         self._state(sink)
         listener = self.ensure_listener()
         if listener is not None:  # notified from now on
-            if no_ack:
-                listener.no_ack.add(queue)
+            (listener.no_ack.add if no_ack else listener.no_ack.discard)(queue)
             self.wake(listener.watch([queue]))
         self.pending.add(queue)
         self.next_poll = 0.0  # its delayed messages' due times

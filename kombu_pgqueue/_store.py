@@ -48,10 +48,7 @@ HANDOFF_OVERHEAD = 2 + 16 + 16 + 4 * 24 + 4 * 11 + 10
 
 
 def handoff_fits(message: Outgoing) -> bool:
-    """Whether ``message`` may be handed off: no dedup key (a replaced message must not
-    keep a consumer's lease), and its NOTIFY payload (body in base64) fits."""
-    if message.dedup_key is not None:
-        return False
+    """Whether ``message`` may be handed off: its NOTIFY payload (body in base64) fits."""
     size = HANDOFF_OVERHEAD + 4 * -(-len(message.body) // 3)
     for text in (message.content_type, message.content_encoding):
         if text:

@@ -29,8 +29,8 @@
 -- One message. A due message wakes consumers ('r:' + the queue's token: the first 16
 -- hex digits of the MD5 of its name, so a role that may LISTEN learns no queue names);
 -- a delayed one tells them when it falls due ('d:' + epoch seconds), so they can sleep
--- until then. With %(handoff)s (set by the client: no dedup key, and the message fits a
--- NOTIFY payload) and a consumer waiting, it is leased to that consumer as a claim
+-- until then. With %(handoff)s (set by the client: the message fits a NOTIFY payload)
+-- and a consumer waiting, it is leased to that consumer as a claim
 -- would (%(lease)s, attempts 1) and the NOTIFY carries it ('h:', see payload below).
 -- A message whose dedup key is taken is skipped (no row returned), or, with
 -- %(replace)s, replaces the waiting one; one that a consumer holds is never replaced.
@@ -85,9 +85,10 @@ inserted AS (
         content_encoding = excluded.content_encoding,
         headers = excluded.headers,
         properties = excluded.properties,
-        -- a new message: a stale holder's ack must not delete it
-        lease = NULL,
-        attempts = 0
+        -- a new message: a stale holder's ack must not delete it (handed off: the
+        -- waiting consumer's lease)
+        lease = excluded.lease,
+        attempts = excluded.attempts
     WHERE %(replace)s::boolean
       AND (m.lease IS NULL OR m.next_iteration <= now())
     RETURNING id, delayed, next_iteration, lease
