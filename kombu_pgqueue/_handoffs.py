@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
+import hmac
 import logging
 
 from ._options import Options
@@ -16,11 +18,22 @@ from .records import Delivered, Handoff
 logger = logging.getLogger(__name__)
 
 
-def parse_handoff(rest: str) -> Handoff | None:
+def signature(secret: str, message: str) -> str:
+    """How statement publish signs a handoff's ``message`` for the consumer that has
+    ``secret``: sha256(secret || message || secret), its first 32 hex digits."""
+    signed = (secret + message + secret).encode("utf-8")
+    return hashlib.sha256(signed).hexdigest()[:32]
+
+
+def parse_handoff(rest: str, secret: str) -> Handoff | None:
     """A handoff's payload after ``h:<consumer>:`` (as statement publish writes it):
-    ``<token>:<id>:<lease>:<lease end>:<priority>:<lengths of content type, content
-    encoding ('-': None), headers, properties>:<those four><body in base64>``; None if
-    malformed."""
+    ``<signature>:<token>:<id>:<lease>:<lease end>:<priority>:<lengths of content type,
+    content encoding ('-': None), headers, properties>:<those four><body in base64>``;
+    None if malformed or not signed with ``secret`` (a forgery: any role that may connect
+    may NOTIFY)."""
+    sent, _, rest = rest.partition(":")
+    if not secret or not hmac.compare_digest(sent, signature(secret, rest)):
+        return None
     parts = rest.split(":", 9)
     if len(parts) != 10:
         return None

@@ -3,11 +3,13 @@
 Publishers send ``pg_notify(<schema>.notify, payload)`` in the statement that makes
 rows visible. Payloads are ``r:<token>`` (messages are ready in the queue of that
 token, see :func:`queue_token`), ``d:<epoch>`` (a delayed message falls due then), or
-``h:<consumer>:...`` (a message the publish leased to that consumer: a handoff, see
-:func:`~._handoffs.parse_handoff`). Any role that may connect can LISTEN on the channel, or NOTIFY
-on it: payloads name no queue, and a wakeup that was not a publisher's only costs a
-claim that finds nothing. A handoff's payload holds the message itself: such a role
-reads it. A forged handoff names a lease no row has, so nothing it says can be acked.
+``h:<consumer>:<signature>:...`` (a message the publish leased to that consumer: a
+handoff, see :func:`~._handoffs.parse_handoff`). Any role that may connect can LISTEN
+on the channel, or NOTIFY on it: payloads name no queue, and a wakeup that was not a
+publisher's only costs a claim that finds nothing. A handoff's payload holds the
+message itself: such a role reads it, but cannot forge one: it is signed with a secret
+of the consumer's that only roles that may read table ``waiter`` (which may publish
+anyway) can read.
 
 Each session registers as a *waiter* (table ``waiter``, migration 0008) of the queues it
 watches and may take handed-off messages from, under a new consumer id per session,
@@ -59,8 +61,10 @@ class Wakeups:
     tokens: dict[str, str]
     queues: set[str] = field(default_factory=set)
     due: float | None = None
-    #: this session's consumer id (handoffs addressed to it are ours)
+    #: this session's consumer id (handoffs addressed to it are ours, if signed with
+    #: its secret)
     consumer: str = ""
+    secret: str = ""
     handoffs: list[Handoff] = field(default_factory=list)
 
     def add(self, payload: str) -> None:
@@ -68,11 +72,15 @@ class Wakeups:
         if kind == "h":
             consumer, _, rest = rest.partition(":")
             if consumer and consumer == self.consumer:
-                handoff = parse_handoff(rest)
+                handoff = parse_handoff(rest, self.secret)
                 if handoff is not None:
                     self.handoffs.append(handoff)
                 else:
-                    logger.warning("pgqueue: ignoring a malformed handoff %.80r", payload)
+                    logger.warning(
+                        "pgqueue: ignoring a handoff that is malformed or not signed with "
+                        "this consumer's secret: %.80r",
+                        payload,
+                    )
         elif kind == "r":
             if rest in self.tokens:
                 self.queues.add(self.tokens[rest])
@@ -102,8 +110,10 @@ class Listener:
         self._q = _sql.queries(options.schema)
         #: the queues this session watches (holds the waiting lock of), by token
         self.watched: dict[str, str] = {}
-        #: this session's id as a waiter (a new one per session)
+        #: this session's id as a waiter, and the secret that signs its handoffs (new
+        #: ones per session)
         self.consumer = ""
+        self.secret = ""
         #: queues consumed without acks: no handoffs (a take deletes what it hands out)
         self.no_ack: set[str] = set()
 
@@ -122,7 +132,7 @@ class Listener:
             )
             consumer = secrets.token_hex(8)
             self.conn.execute(self._q["listener_alive"], {"consumer": consumer})
-            self.consumer = consumer
+            self.consumer, self.secret = consumer, secrets.token_hex(16)
             self.watch(queues.values())
         except BaseException:  # the next open() tries again, and watches them all
             self.watched.update(queues)
@@ -140,7 +150,7 @@ class Listener:
             return Wakeups(self.watched)
         params = {"channel": self.options.channel, "queues": new}
         takes = [q for q in new if q not in self.no_ack] if self.options.handoff else []
-        waiter = {"takes": takes, "consumer": self.consumer}
+        waiter = {"takes": takes, "consumer": self.consumer, "secret": self.secret}
         lease = {"lease_seconds": self.options.visibility_timeout}
         self.conn.execute(self._q["watch"], {**params, **waiter, **lease})
         self.watched.update((queue_token(queue), queue) for queue in new)
@@ -184,7 +194,7 @@ class Listener:
     def wait(self, timeout: float | None) -> Wakeups:
         """Block up to ``timeout`` seconds for notifications; return all that came."""
         assert self.conn is not None
-        found = Wakeups(self.watched, consumer=self.consumer)
+        found = Wakeups(self.watched, consumer=self.consumer, secret=self.secret)
         for notify in self.conn.notifies(timeout=timeout, stop_after=1):
             found.add(notify.payload)
         if found:

@@ -41,10 +41,10 @@ def new_lease() -> int:
 #: PostgreSQL refuses a NOTIFY payload of 8000 bytes or more
 NOTIFY_PAYLOAD_LIMIT = 8000
 
-#: the most the fixed part of a handoff's payload takes: 'h:', the consumer's id and
-#: the queue's token (16 each), the id, lease, lease end and priority, four lengths,
-#: and colons
-HANDOFF_OVERHEAD = 2 + 16 + 16 + 4 * 24 + 4 * 11 + 10
+#: the most the fixed part of a handoff's payload takes: 'h:', the consumer's id, the
+#: signature (32) and the queue's token (16), the id, lease, lease end and priority,
+#: four lengths, and colons
+HANDOFF_OVERHEAD = 2 + 16 + 32 + 16 + 4 * 24 + 4 * 11 + 11
 
 
 def handoff_fits(message: Outgoing) -> bool:
@@ -95,7 +95,6 @@ class Store(Connected):
         return {
             "handoff": self.options.handoff and handoff_fits(message),
             "lease": new_lease(),
-            "lease_seconds": self.options.visibility_timeout,
         }
 
     def publish_many(self, messages: Sequence[Outgoing]) -> int:

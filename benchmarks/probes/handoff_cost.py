@@ -72,7 +72,6 @@ def main() -> None:
         "gate": True,
         "handoff": True,
         "lease": new_lease(),
-        "lease_seconds": 60.0,
     }
     consumers: list[psycopg.Connection] = []
 
@@ -92,6 +91,7 @@ def main() -> None:
                     "queues": [QUEUE],
                     "takes": [QUEUE] if takes else [],
                     "consumer": consumer,
+                    "secret": os.urandom(16).hex(),
                     "lease_seconds": 60.0,
                 },
             )

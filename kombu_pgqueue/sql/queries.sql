@@ -34,7 +34,7 @@
 -- would (%(lease)s, attempts 1) and the NOTIFY carries it ('h:', see payload below).
 -- A message whose dedup key is taken is skipped (no row returned), or, with
 -- %(replace)s, replaces the waiting one; one that a consumer holds is never replaced.
-WITH target AS MATERIALIZED (
+WITH picked AS MATERIALIZED (
     -- NULL: nobody waits (no NOTIFY); '': wake every consumer; else the consumer's id
     SELECT CASE
         WHEN coalesce(%(eta)s::timestamptz > now(), false) THEN NULL
@@ -43,6 +43,19 @@ WITH target AS MATERIALIZED (
             THEN {schema}.handoff_target(%(channel)s, %(queue)s)
         WHEN {schema}.notify_wanted(%(channel)s, %(queue)s, %(gate)s) THEN ''
     END AS consumer
+),
+target AS MATERIALIZED (
+    -- the waiter picked as this statement sees it: the lease it renews (its
+    -- visibility_timeout) and the secret that signs its handoffs; not seen (it stopped
+    -- waiting meanwhile): every consumer is woken instead
+    SELECT
+        coalesce(w.consumer, CASE WHEN picked.consumer IS NOT NULL THEN '' END) AS consumer,
+        w.lease_seconds,
+        w.secret
+    FROM picked
+    LEFT JOIN {schema}.waiter AS w
+        ON w.queue = %(queue)s
+       AND w.consumer = picked.consumer
 ),
 inserted AS (
     INSERT INTO {schema}.message AS m (
@@ -54,12 +67,7 @@ inserted AS (
         %(priority)s,
         coalesce(%(eta)s::timestamptz > now(), false),
         CASE WHEN target.consumer <> ''
-            -- the lease the consumer renews (its visibility_timeout, not this client's)
-            THEN now() + make_interval(secs => coalesce((
-                SELECT w.lease_seconds
-                FROM {schema}.waiter AS w
-                WHERE w.queue = %(queue)s AND w.consumer = target.consumer
-            ), %(lease_seconds)s))
+            THEN now() + make_interval(secs => target.lease_seconds)
             ELSE coalesce(%(eta)s::timestamptz, now())
         END,
         least(
@@ -101,12 +109,26 @@ SELECT
         )
         WHEN inserted.lease IS NOT NULL THEN pg_notify(
             %(channel)s,
-            -- h:<consumer>:<token>:<id>:<lease>:<lease end, epoch>:<priority>:<lengths
-            -- of content type, content encoding ('-': NULL), headers, properties>:<those
-            -- four><body in base64>; the client checked that it stays under NOTIFY's
-            -- 8000 bytes
+            -- h:<consumer>:<signature>:<message>, the signature the first 32 hex digits
+            -- of sha256(secret || message || secret)
             'h:' || target.consumer
-            || ':' || left(md5(convert_to(%(queue)s, 'UTF8')), 16)
+            || ':' || left(encode(sha256(convert_to(
+                target.secret || handoff.message || target.secret, 'UTF8'
+            )), 'hex'), 32)
+            || ':' || handoff.message
+        )
+        WHEN target.consumer = '' THEN pg_notify(
+            %(channel)s, 'r:' || left(md5(convert_to(%(queue)s, 'UTF8')), 16)
+        )
+    END
+FROM inserted
+CROSS JOIN target
+CROSS JOIN LATERAL (
+    -- <token>:<id>:<lease>:<lease end, epoch>:<priority>:<lengths of content type,
+    -- content encoding ('-': NULL), headers, properties>:<those four><body in base64>;
+    -- the client checked that the payload stays under NOTIFY's 8000 bytes
+    SELECT CASE WHEN inserted.lease IS NOT NULL THEN
+        left(md5(convert_to(%(queue)s, 'UTF8')), 16)
             || ':' || inserted.id
             || ':' || inserted.lease
             || ':' || extract(EPOCH FROM inserted.next_iteration)
@@ -120,13 +142,8 @@ SELECT
             || %(headers)s::text
             || %(properties)s::text
             || translate(encode(%(body)s::bytea, 'base64'), E'\n', '')
-        )
-        WHEN target.consumer = '' THEN pg_notify(
-            %(channel)s, 'r:' || left(md5(convert_to(%(queue)s, 'UTF8')), 16)
-        )
-    END
-FROM inserted
-CROSS JOIN target;
+    END AS message
+) AS handoff;
 
 -- name: publish_many :many
 -- Many messages in one round trip, each column an array of the same length.
@@ -197,7 +214,7 @@ WITH target AS (
           OR (e.type = 'topic' AND %(routing_key)s ~ b.pattern)
       )
 ),
-waiting AS MATERIALIZED (
+picked AS MATERIALIZED (
     -- NULL: nobody waits (no NOTIFY); '': wake every consumer; else the consumer's id
     SELECT
         target.queue,
@@ -210,6 +227,18 @@ waiting AS MATERIALIZED (
         END AS consumer
     FROM target
 ),
+waiting AS MATERIALIZED (
+    -- as publish's target
+    SELECT
+        picked.queue,
+        coalesce(w.consumer, CASE WHEN picked.consumer IS NOT NULL THEN '' END) AS consumer,
+        w.lease_seconds,
+        w.secret
+    FROM picked
+    LEFT JOIN {schema}.waiter AS w
+        ON w.queue = picked.queue
+       AND w.consumer = picked.consumer
+),
 inserted AS (
     INSERT INTO {schema}.message (
         queue, priority, delayed, next_iteration, expires_at, dedup_key,
@@ -220,12 +249,7 @@ inserted AS (
         %(priority)s,
         coalesce(%(eta)s::timestamptz > now(), false),
         CASE WHEN waiting.consumer <> ''
-            -- the lease the consumer renews (its visibility_timeout, not this client's)
-            THEN now() + make_interval(secs => coalesce((
-                SELECT w.lease_seconds
-                FROM {schema}.waiter AS w
-                WHERE w.queue = waiting.queue AND w.consumer = waiting.consumer
-            ), %(lease_seconds)s))
+            THEN now() + make_interval(secs => waiting.lease_seconds)
             ELSE coalesce(%(eta)s::timestamptz, now())
         END,
         least(%(expires_at)s::timestamptz, now() + q.message_ttl),
@@ -252,7 +276,21 @@ SELECT
             %(channel)s,
             -- as publish's
             'h:' || waiting.consumer
-            || ':' || left(md5(convert_to(inserted.queue, 'UTF8')), 16)
+            || ':' || left(encode(sha256(convert_to(
+                waiting.secret || handoff.message || waiting.secret, 'UTF8'
+            )), 'hex'), 32)
+            || ':' || handoff.message
+        )
+        WHEN waiting.consumer = '' THEN pg_notify(
+            %(channel)s, 'r:' || left(md5(convert_to(inserted.queue, 'UTF8')), 16)
+        )
+    END
+FROM inserted
+JOIN waiting ON waiting.queue = inserted.queue
+CROSS JOIN LATERAL (
+    -- as publish's
+    SELECT CASE WHEN inserted.lease IS NOT NULL THEN
+        left(md5(convert_to(inserted.queue, 'UTF8')), 16)
             || ':' || inserted.id
             || ':' || inserted.lease
             || ':' || extract(EPOCH FROM inserted.next_iteration)
@@ -266,13 +304,8 @@ SELECT
             || %(headers)s::text
             || %(properties)s::text
             || translate(encode(%(body)s::bytea, 'base64'), E'\n', '')
-        )
-        WHEN waiting.consumer = '' THEN pg_notify(
-            %(channel)s, 'r:' || left(md5(convert_to(inserted.queue, 'UTF8')), 16)
-        )
-    END
-FROM inserted
-JOIN waiting ON waiting.queue = inserted.queue
+    END AS message
+) AS handoff
 -- no binding matched at all (not: every copy was a duplicate): one row, queue NULL
 UNION ALL
 SELECT NULL, NULL
@@ -896,13 +929,14 @@ WITH gone AS (
       AND pg_try_advisory_xact_lock_shared(1885827395, hashtext(w.consumer))
 ),
 joined AS (
-    INSERT INTO {schema}.waiter (queue, consumer, lease_seconds)
-    SELECT DISTINCT q.name, %(consumer)s, %(lease_seconds)s::float8
+    INSERT INTO {schema}.waiter (queue, consumer, lease_seconds, secret)
+    SELECT DISTINCT q.name, %(consumer)s, %(lease_seconds)s::float8, %(secret)s
     FROM unnest(%(takes)s::text[]) AS q (name)
     ON CONFLICT DO NOTHING
 )
 SELECT pg_advisory_lock_shared(1885827415, hashtext(%(channel)s::text || ':' || q.name))
 FROM unnest(%(queues)s::text[]) AS q (name);
+
 -- name: watch_barrier :none
 -- Then waits for the publishes that looked for a waiting consumer before watch: they
 -- hold 'pgqP' shared until they commit. In key order, so that two consumers arming at

@@ -10,6 +10,7 @@ poll (every worker here polls once an hour).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
 from typing import Any
@@ -20,6 +21,7 @@ from kombu import Connection, Consumer, Producer, Queue
 from kombu.message import Message
 
 from kombu_pgqueue import _counters
+from kombu_pgqueue._listener import queue_token
 from kombu_pgqueue._store import handoff_fits, new_lease
 from kombu_pgqueue.records import Outgoing
 from tests.waiting import wait_for
@@ -330,3 +332,59 @@ def test_a_message_with_a_dedup_key_is_handed_off_and_a_replacement_too(
         for message in got:
             message.ack()
         assert _row(db, schema, "h") is None
+
+
+def test_a_forged_handoff_is_ignored(
+    connection: Connection, make_connection: Callable[..., Connection], db, schema: str
+) -> None:
+    """Any role that may connect may NOTIFY on the channel, and read the consumer's id in
+    the handoffs it sees: a handoff not signed with the consumer's secret is not
+    delivered (it would run whatever body it carries)."""
+    worker = make_connection(polling_interval=HOUR)
+    got: list[Message] = []
+    with Consumer(worker, [Queue("h")], callbacks=[lambda body, message: got.append(message)]):
+        _settle(worker)
+        listener = worker.transport.consumer.listener
+        assert listener is not None
+        forged = _forge(listener.consumer, queue_token("h"), b'"forged"')
+        db.execute("SELECT pg_notify(%s, %s)", [listener.options.channel, forged])
+        Producer(connection).publish("real", routing_key="h")
+        while not got:
+            worker.drain_events(timeout=10)
+
+        assert [m.body for m in got] == [b"real"]
+
+
+def _forge(consumer: str, token: str, body: bytes) -> str:
+    """A handoff as statement publish writes it, but signed without the secret."""
+    import base64
+
+    message = f"{token}:999:1:{time.time() + 60}:0:16:5:2:2:application/jsonutf-8{{}}{{}}"
+    message += base64.b64encode(body).decode()
+    return f"h:{consumer}:{'0' * 32}:{message}"
+
+
+def test_a_handoff_carries_text_beyond_ascii_intact(
+    connection: Connection, make_connection: Callable[..., Connection]
+) -> None:
+    """Lengths in the payload count characters, the signature UTF-8 bytes, as on both
+    sides: headers, properties and content type beyond ASCII arrive as sent."""
+    worker = make_connection(polling_interval=HOUR)
+    got: list[Message] = []
+    with Consumer(worker, [Queue("h")], callbacks=[lambda body, message: got.append(message)]):
+        _settle(worker)
+        before = _counts("h")
+        Producer(connection).publish(
+            "☃ body",
+            routing_key="h",
+            headers={"ünï": "☃:x", "n": 1},
+            content_type="text/plain; charset=ütf",
+            content_encoding="utf-8",
+            serializer=None,
+        )
+        worker.drain_events(timeout=10)
+
+        assert _since(before, "h")["handoffs"] == 1
+        assert got[0].headers == {"ünï": "☃:x", "n": 1}
+        assert got[0].content_type == "text/plain; charset=ütf"
+        assert got[0].body == "☃ body".encode()

@@ -11,6 +11,9 @@ CREATE UNLOGGED TABLE {schema}.waiter (
     -- the consumer's visibility_timeout: the lease a publish gives the message it hands
     -- to this consumer (whose lease keeper renews at a third of that)
     lease_seconds double precision NOT NULL,
+    -- signs the handoffs to this consumer (see statement publish): a role that may only
+    -- connect, LISTEN and NOTIFY cannot read it, so it cannot forge one
+    secret text NOT NULL,
     PRIMARY KEY (queue, consumer)
 );
 
