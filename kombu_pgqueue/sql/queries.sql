@@ -21,7 +21,7 @@
 --
 -- Handoff: a consumer that waits for a queue also has a row in table waiter (statement
 -- watch; migration 0008). A publish with gate and %(handoff)s picks one live waiter
--- (function handoff_target), leases the new row to it as a claim would, and the NOTIFY
+-- (CTE picked), leases the new row to it as a claim would, and the NOTIFY
 -- carries the message to that consumer ('h:<consumer>:...'), which delivers it with no
 -- claim, or hands it back at once (statement release) if it cannot take it now.
 
@@ -34,28 +34,55 @@
 -- would (%(lease)s, attempts 1) and the NOTIFY carries it ('h:', see payload below).
 -- A message whose dedup key is taken is skipped (no row returned), or, with
 -- %(replace)s, replaces the waiting one; one that a consumer holds is never replaced.
-WITH picked AS MATERIALIZED (
-    -- NULL: nobody waits (no NOTIFY); '': wake every consumer; else the consumer's id
+WITH wanted AS MATERIALIZED (
+    -- whether a consumer waits for the queue (NULL: a delayed message, which announces
+    -- its due time to every consumer instead)
     SELECT CASE
-        WHEN coalesce(%(eta)s::timestamptz > now(), false) THEN NULL
-        WHEN %(handoff)s::boolean AND %(gate)s::boolean
-             AND coalesce(%(expires_at)s::timestamptz > now(), true)
-            THEN {schema}.handoff_target(%(channel)s, %(queue)s)
-        WHEN {schema}.notify_wanted(%(channel)s, %(queue)s, %(gate)s) THEN ''
-    END AS consumer
+        WHEN NOT coalesce(%(eta)s::timestamptz > now(), false)
+            THEN {schema}.notify_wanted(%(channel)s, %(queue)s, %(gate)s)
+    END AS wanted
+),
+picked AS MATERIALIZED (
+    -- one live waiter to hand the message to, if it may be handed off: from a random
+    -- id on, two probes of waiter's primary key, whatever the number of waiters
+    SELECT w.consumer, w.lease_seconds, w.secret
+    FROM wanted
+    CROSS JOIN LATERAL (
+        (
+            SELECT w.consumer, w.lease_seconds, w.secret
+            FROM {schema}.waiter AS w
+            WHERE w.queue = %(queue)s
+              -- a sub-select, evaluated once: an index condition (random() is not)
+              AND w.consumer >= (SELECT left(md5(random()::text), 16))
+            ORDER BY w.consumer
+            LIMIT 1
+        )
+        UNION ALL
+        (
+            SELECT w.consumer, w.lease_seconds, w.secret
+            FROM {schema}.waiter AS w
+            WHERE w.queue = %(queue)s
+            ORDER BY w.consumer
+            LIMIT 1
+        )
+        LIMIT 1
+    ) AS w
+    WHERE wanted.wanted
+      AND %(handoff)s::boolean
+      AND %(gate)s::boolean
+      AND coalesce(%(expires_at)s::timestamptz > now(), true)
+      -- its LISTEN session holds this lock exclusively while it lives
+      AND NOT pg_try_advisory_xact_lock_shared(1885827395, hashtext(w.consumer))
 ),
 target AS MATERIALIZED (
-    -- the waiter picked as this statement sees it: the lease it renews (its
-    -- visibility_timeout) and the secret that signs its handoffs; not seen (it stopped
-    -- waiting meanwhile): every consumer is woken instead
+    -- NULL: nobody waits (no NOTIFY); '': wake every consumer; else the waiter's id,
+    -- the lease it renews (its visibility_timeout) and the secret that signs its handoffs
     SELECT
-        coalesce(w.consumer, CASE WHEN picked.consumer IS NOT NULL THEN '' END) AS consumer,
-        w.lease_seconds,
-        w.secret
-    FROM picked
-    LEFT JOIN {schema}.waiter AS w
-        ON w.queue = %(queue)s
-       AND w.consumer = picked.consumer
+        coalesce(picked.consumer, CASE WHEN wanted.wanted THEN '' END) AS consumer,
+        picked.lease_seconds,
+        picked.secret
+    FROM wanted
+    LEFT JOIN picked ON true
 ),
 inserted AS (
     INSERT INTO {schema}.message AS m (
@@ -214,30 +241,55 @@ WITH target AS (
           OR (e.type = 'topic' AND %(routing_key)s ~ b.pattern)
       )
 ),
-picked AS MATERIALIZED (
-    -- NULL: nobody waits (no NOTIFY); '': wake every consumer; else the consumer's id
+wanted AS MATERIALIZED (
+    -- as publish's, for each queue reached
     SELECT
         target.queue,
         CASE
-            WHEN coalesce(%(eta)s::timestamptz > now(), false) THEN NULL
-            WHEN %(handoff)s::boolean AND %(gate)s::boolean
-                 AND coalesce(%(expires_at)s::timestamptz > now(), true)
-                THEN {schema}.handoff_target(%(channel)s, target.queue)
-            WHEN {schema}.notify_wanted(%(channel)s, target.queue, %(gate)s) THEN ''
-        END AS consumer
+            WHEN NOT coalesce(%(eta)s::timestamptz > now(), false)
+                THEN {schema}.notify_wanted(%(channel)s, target.queue, %(gate)s)
+        END AS wanted
     FROM target
+),
+picked AS MATERIALIZED (
+    -- as publish's, for each queue somebody waits for
+    SELECT wanted.queue, w.consumer, w.lease_seconds, w.secret
+    FROM wanted
+    CROSS JOIN LATERAL (
+        (
+            SELECT w.consumer, w.lease_seconds, w.secret
+            FROM {schema}.waiter AS w
+            WHERE w.queue = wanted.queue
+              -- a sub-select, evaluated once: an index condition (random() is not)
+              AND w.consumer >= (SELECT left(md5(random()::text), 16))
+            ORDER BY w.consumer
+            LIMIT 1
+        )
+        UNION ALL
+        (
+            SELECT w.consumer, w.lease_seconds, w.secret
+            FROM {schema}.waiter AS w
+            WHERE w.queue = wanted.queue
+            ORDER BY w.consumer
+            LIMIT 1
+        )
+        LIMIT 1
+    ) AS w
+    WHERE wanted.wanted
+      AND %(handoff)s::boolean
+      AND %(gate)s::boolean
+      AND coalesce(%(expires_at)s::timestamptz > now(), true)
+      AND NOT pg_try_advisory_xact_lock_shared(1885827395, hashtext(w.consumer))
 ),
 waiting AS MATERIALIZED (
     -- as publish's target
     SELECT
-        picked.queue,
-        coalesce(w.consumer, CASE WHEN picked.consumer IS NOT NULL THEN '' END) AS consumer,
-        w.lease_seconds,
-        w.secret
-    FROM picked
-    LEFT JOIN {schema}.waiter AS w
-        ON w.queue = picked.queue
-       AND w.consumer = picked.consumer
+        wanted.queue,
+        coalesce(picked.consumer, CASE WHEN wanted.wanted THEN '' END) AS consumer,
+        picked.lease_seconds,
+        picked.secret
+    FROM wanted
+    LEFT JOIN picked ON picked.queue = wanted.queue
 ),
 inserted AS (
     INSERT INTO {schema}.message (
@@ -914,7 +966,7 @@ WHERE d.datname = current_database();
 
 -- name: listener_alive :none
 -- A LISTEN session's mark that its consumer (the id it registers as a waiter) lives,
--- until the session ends (see handoff_target, migration 0008).
+-- until the session ends (see statement publish, migration 0008).
 SELECT pg_advisory_lock(1885827395, hashtext(%(consumer)s::text));
 
 -- name: watch :none
