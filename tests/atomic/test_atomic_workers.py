@@ -165,7 +165,20 @@ def test_long_task_keeps_its_lease(spawn, client, db, tables):
     effect = client.tasks["atomic.effect"]
     result = effect.delay("long", gate="g")
     wait_for(lambda: attempts(db, tables)["long"], 30, "the task to start", worker, other)
-    wait_for(lambda: attempts(db, tables)["long"] > 1, 5, "a second delivery", never=True)
+    (lease,) = {m["lease"] for m in messages(db, tables)}
+    lease_end = sql.SQL(
+        "SELECT next_iteration > %s::timestamptz + interval '4 seconds' FROM {} WHERE lease = %s"
+    ).format(sql.Identifier(tables, "message"))
+    started = db.execute("SELECT now()").fetchone()[0]
+    # the same lease, renewed until it ends four visibility timeouts after the start
+    wait_for(
+        lambda: (db.execute(lease_end, (started, lease)).fetchone() or (False,))[0],
+        30,
+        "the lease to be renewed past four visibility timeouts",
+        worker,
+        other,
+    )
+    assert attempts(db, tables) == {"long": 1}
     open_gate(db, tables, "g")
     assert result.get(timeout=30) == "long"
     assert effects(db, tables) == {"long": 1}
