@@ -43,6 +43,7 @@ import psycopg
 from celery import Task, signals
 from celery.canvas import group, maybe_signature
 from celery.exceptions import Ignore, Reject, Retry
+from celery.worker.request import Request
 
 from kombu_pgqueue import atomic, transactions
 from kombu_pgqueue.atomic import (
@@ -81,6 +82,40 @@ _current: ContextVar[_Attempt | None] = ContextVar("pgqueue_atomic_attempt", def
 _fences: dict[tuple[str, str], Fence] = {}
 
 
+class AtomicRequest(Request):  # type: ignore[misc]  # Celery is untyped
+    """The worker's request of an atomic task. In the process that consumes (prefork's
+    main process, whose pool child committed the ack with the work), a success says the
+    ack is done: the worker's own ack then sends nothing.
+
+    Celery builds a subclass of the task's Request per task type
+    (``celery.worker.request.create_request_cls``) with an ``on_success`` of its own,
+    which calls ``acknowledge()``; that one is wrapped here as it is made.
+    """
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "on_success" in cls.__dict__:
+            cls.on_success = _noting_success(cls.__dict__["on_success"])
+
+    @staticmethod
+    def succeeded(request: Any, failed__retval__runtime: tuple[Any, ...]) -> None:
+        """A success of the attempt came back: it committed its ack (an attempt whose
+        commit failed raises, and comes back failed)."""
+        if not failed__retval__runtime[0]:
+            atomic.committed(str(request.message.delivery_tag))
+
+
+def _noting_success(on_success: Any) -> Any:
+    def noting(self: Any, failed__retval__runtime: tuple[Any, ...], **kwargs: Any) -> Any:
+        AtomicRequest.succeeded(self, failed__retval__runtime)
+        return on_success(self, failed__retval__runtime, **kwargs)
+
+    return noting
+
+
+AtomicRequest.on_success = _noting_success(Request.on_success)
+
+
 class AtomicTask(Task):  # type: ignore[misc]  # Celery is untyped
     """A task whose database writes and ack commit together (see the module's docstring).
 
@@ -91,6 +126,7 @@ class AtomicTask(Task):  # type: ignore[misc]  # Celery is untyped
 
     acks_late = True
     reject_on_worker_lost = True
+    Request = AtomicRequest
     #: where ``self.db`` comes from: Psycopg() (the default), SQLAlchemy(...), Django(...)
     atomic_db: TransactionSource = Psycopg()
 
@@ -197,7 +233,9 @@ class _Attempt:
         """
         delivery = self.delivery
         try:
-            if delivery is not None and not self.fence.ack(self.enlisted, delivery):
+            if delivery is None:
+                self.transaction.commit()
+            elif not self.fence.settle(self.transaction, self.enlisted, delivery):
                 where = self.fence.holder(self.enlisted, delivery)
                 self._end()
                 raise Reject(
@@ -209,7 +247,6 @@ class _Attempt:
                     ),
                     requeue=True,
                 )
-            self.transaction.commit()
         except Reject:
             raise
         except Exception as exc:

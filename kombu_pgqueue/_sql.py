@@ -77,11 +77,26 @@ def advice(name: str, conn: psycopg.Connection, **identifiers: str) -> str:
     return " ".join(composed.as_string(conn).split())
 
 
+def compact(text: str) -> str:
+    """``text`` without its comment lines and indentation.
+
+    What a statement costs the client grows with its length: psycopg caches the parse of
+    a statement's ``%(name)s`` placeholders only for texts up to 4096 bytes
+    (``psycopg._queries.MAX_CACHED_STATEMENT_LENGTH``) and splits a longer one with a
+    regular expression at every execution, about 130 us for a publish of 6 kB. No
+    statement here has a string literal that spans lines, so nothing else changes.
+    """
+    lines = (line.strip() for line in _COMMENT.sub("", text).splitlines())
+    return "\n".join(line for line in lines if line)
+
+
 @cache
 def queries(schema: str) -> dict[str, sql.Composed]:
-    """Return every named statement composed for ``schema``."""
+    """Return every named statement composed for ``schema``, compacted (:func:`compact`)."""
     ident = sql.Identifier(schema)
-    return {name: sql.SQL(text).format(schema=ident) for name, text in raw_queries().items()}
+    return {
+        name: sql.SQL(compact(text)).format(schema=ident) for name, text in raw_queries().items()
+    }
 
 
 _PLACEHOLDER = re.compile(r"%\((\w+)\)s|%%")

@@ -14,6 +14,7 @@ Tables, in the test's schema (:func:`create_tables`):
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -166,6 +167,10 @@ def app_from_environment(env: Mapping[str, str] = os.environ) -> Celery:
         value = env.get(f"ATOMIC_{name.upper()}")
         if value:
             options[name] = float(value)
+    if env.get("ATOMIC_LOG_ACKS"):
+        # the consumer's batches of atomic tasks' acks ("1 of 1 acks of atomic tasks
+        # deleted a row"), in the worker's log
+        logging.getLogger("kombu_pgqueue._ledger").setLevel(logging.DEBUG)
     return make_app(env["ATOMIC_DSN"], env["ATOMIC_SCHEMA"], **options)
 
 

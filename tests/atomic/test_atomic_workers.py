@@ -92,6 +92,24 @@ def test_rolled_back_attempt_sends_nothing(pool, spawn, client, db, tables):
     assert attempts(db, tables) == {"parent": 1, "after": 1}
 
 
+def test_no_ack_follows_a_commit_from_a_pool_child(spawn, client, db, tables):
+    """A prefork child commits the ack with the work; the main process, which consumes,
+    learns of it from the success and sends no ack of its own. A failure (rolled back,
+    and acked as Celery acks failures) is acked by the main process: that ack deletes
+    the row."""
+    worker = spawn("prefork", log_acks=1)
+    effect = client.tasks["atomic.effect"]
+    for key in ("a", "b", "c"):
+        assert effect.delay(key).get(timeout=30) == key
+    with pytest.raises(Boom):
+        effect.delay("failed", fail=True).get(timeout=30)
+    wait_for(lambda: "acks of atomic tasks" in worker.log(), 30, "the failure's ack", worker)
+    wait_for(lambda: not messages(db, tables), 30, "an empty queue", worker)
+    sent = [line for line in worker.log().splitlines() if "acks of atomic tasks" in line]
+    assert len(sent) == 1 and "1 of 1 acks" in sent[0], sent
+    assert effects(db, tables) == {"a": 1, "b": 1, "c": 1}
+
+
 def test_lost_lease_rolls_back_when_the_main_process_stalls(spawn, client, db, tables):
     """The main process of the worker running the task stops (SIGSTOP: swapped out, a
     frozen container), so nothing renews the lease; it lapses, and another worker takes
@@ -147,7 +165,20 @@ def test_long_task_keeps_its_lease(spawn, client, db, tables):
     effect = client.tasks["atomic.effect"]
     result = effect.delay("long", gate="g")
     wait_for(lambda: attempts(db, tables)["long"], 30, "the task to start", worker, other)
-    wait_for(lambda: attempts(db, tables)["long"] > 1, 5, "a second delivery", never=True)
+    (lease,) = {m["lease"] for m in messages(db, tables)}
+    lease_end = sql.SQL(
+        "SELECT next_iteration > %s::timestamptz + interval '4 seconds' FROM {} WHERE lease = %s"
+    ).format(sql.Identifier(tables, "message"))
+    started = db.execute("SELECT now()").fetchone()[0]
+    # the same lease, renewed until it ends four visibility timeouts after the start
+    wait_for(
+        lambda: (db.execute(lease_end, (started, lease)).fetchone() or (False,))[0],
+        30,
+        "the lease to be renewed past four visibility timeouts",
+        worker,
+        other,
+    )
+    assert attempts(db, tables) == {"long": 1}
     open_gate(db, tables, "g")
     assert result.get(timeout=30) == "long"
     assert effects(db, tables) == {"long": 1}

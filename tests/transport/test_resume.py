@@ -115,7 +115,7 @@ def test_the_resumed_claim_starts_the_index_scan_at_the_position_in_its_generic_
         ("%priority = $%::smallint AND id > $%::bigint%",),
     ).fetchall()
     # psycopg numbers the placeholders in order of first appearance
-    order = list(dict.fromkeys(re.findall(r"%\((\w+)\)s", _sql.raw_queries()["claim_after"])))
+    order = list(dict.fromkeys(re.findall(r"%\((\w+)\)s", query.as_string(None))))
     explain = sql.SQL("EXPLAIN (FORMAT TEXT) EXECUTE {}({})").format(
         sql.Identifier(name), sql.SQL(", ").join(sql.Literal(params[k]) for k in order)
     )
