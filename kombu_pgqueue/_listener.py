@@ -11,7 +11,7 @@ message itself: such a role reads it, but cannot forge one: it is signed with a 
 of the consumer's that only roles that may read table ``waiter`` (which may publish
 anyway) can read.
 
-Each session registers as a *waiter* (table ``waiter``, migration 0008) of the queues it
+Each session registers as a *waiter* (table ``waiter``, migration 0009) of the queues it
 watches and may take handed-off messages from, under a new consumer id per session,
 and holds a lock that marks it alive while it lasts.
 

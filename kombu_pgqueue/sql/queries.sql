@@ -20,7 +20,7 @@
 -- promotes due messages of the queues it consumes.
 --
 -- Handoff: a consumer that waits for a queue also has a row in table waiter (statement
--- watch; migration 0008). A publish with gate and %(handoff)s picks one live waiter
+-- watch; migration 0009). A publish with gate and %(handoff)s picks one live waiter
 -- (CTE picked), leases the new row to it as a claim would, and the NOTIFY
 -- carries the message to that consumer ('h:<consumer>:...'), which delivers it with no
 -- claim, or hands it back at once (statement release) if it cannot take it now.
@@ -966,7 +966,7 @@ WHERE d.datname = current_database();
 
 -- name: listener_alive :none
 -- A LISTEN session's mark that its consumer (the id it registers as a waiter) lives,
--- until the session ends (see statement publish, migration 0008).
+-- until the session ends (see statement publish, migration 0009).
 SELECT pg_advisory_lock(1885827395, hashtext(%(consumer)s::text));
 
 -- name: watch :none
