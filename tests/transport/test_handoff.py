@@ -270,8 +270,9 @@ def test_in_an_event_loop_a_burst_is_handed_off_up_to_the_window_and_claimed_aft
     connection: Connection, make_connection: Callable[..., Connection], hub
 ) -> None:
     """A worker (prefetch 4, acking four at a time) waits in an event loop; 30 messages
-    arrive at once, all handed off to it. It delivers four, hands back the rest at once,
-    and claims them as it acks: each delivered once, none waiting for the safety poll."""
+    arrive at once, all handed off to it. It delivers what its window takes, hands back
+    the rest at once, and claims them as it acks: each delivered once, none waiting for
+    the safety poll."""
     worker = make_connection(polling_interval=HOUR)
     worker.transport.register_with_event_loop(worker.connection, hub)
     got: list[int] = []
@@ -299,8 +300,12 @@ def test_in_an_event_loop_a_burst_is_handed_off_up_to_the_window_and_claimed_aft
 
     assert sorted(got) == list(range(30))
     counted = _since(before, "hl")
-    assert counted["handoffs"] == 4 and counted["handbacks"] == 26
-    assert counted["claimed"] == 26
+    # every one was handed off: delivered as it came (the first window's four at least,
+    # more when the notifications come in two reads and an ack opens the window between
+    # them) or handed back and then claimed
+    assert counted["handoffs"] >= 4
+    assert counted["handoffs"] + counted["handbacks"] == 30
+    assert counted["claimed"] == counted["handbacks"]
 
 
 def test_a_message_with_a_dedup_key_is_handed_off_and_a_replacement_too(
