@@ -231,7 +231,10 @@ class Cluster:
         open and statements (and new connections) wait until :meth:`resume`."""
         pids = self._server_pids()
         for pid in pids:
-            os.kill(pid, signal.SIGSTOP)
+            try:
+                os.kill(pid, signal.SIGSTOP)
+            except ProcessLookupError:
+                pass  # a backend or worker that ended since it was listed
         self.paused = True
 
     def resume(self) -> None:
