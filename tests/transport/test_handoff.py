@@ -11,7 +11,8 @@ poll (every worker here polls once an hour).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
@@ -54,6 +55,20 @@ def _settle(worker: Connection) -> None:
     worker.transport.consumer.deliver_pending(inline=True)
 
 
+@contextmanager
+def _one_handoff(worker: Connection, connection: Connection) -> Iterator[list[Message]]:
+    """``worker`` consumes queue "h" and waits; one message ("x") published then is
+    handed off to it and delivered. Yields the messages it got, still consuming."""
+    got: list[Message] = []
+    with Consumer(worker, [Queue("h")], callbacks=[lambda body, message: got.append(message)]):
+        _settle(worker)
+        before = _counts("h")
+        Producer(connection).publish("x", routing_key="h")
+        worker.drain_events(timeout=10)
+        assert _since(before, "h")["handoffs"] == 1
+        yield got
+
+
 def test_a_waiting_consumer_gets_a_message_without_a_claim(
     connection: Connection, make_connection: Callable[..., Connection], db, schema: str
 ) -> None:
@@ -86,13 +101,7 @@ def test_the_ack_of_a_handoff_is_fenced_by_its_lease(
     connection: Connection, make_connection: Callable[..., Connection], db, schema, store, later
 ) -> None:
     worker = make_connection(polling_interval=HOUR, visibility_timeout=30)
-    got: list[Message] = []
-    with Consumer(worker, [Queue("h")], callbacks=[lambda body, message: got.append(message)]):
-        _settle(worker)
-        before = _counts("h")
-        Producer(connection).publish("x", routing_key="h")
-        worker.drain_events(timeout=10)
-        assert _since(before, "h")["handoffs"] == 1
+    with _one_handoff(worker, connection) as got:
         row = _row(db, schema, "h")
         assert row is not None
         assert store.claim("h", 1, new_lease()) == []  # leased: no claim takes it
@@ -191,13 +200,7 @@ def test_max_attempts_counts_a_handoff_as_a_delivery(
     connection: Connection, make_connection: Callable[..., Connection], db, schema: str
 ) -> None:
     worker = make_connection(polling_interval=HOUR, max_attempts=2)
-    got: list[Message] = []
-    with Consumer(worker, [Queue("h")], callbacks=[lambda body, message: got.append(message)]):
-        _settle(worker)
-        before = _counts("h")
-        Producer(connection).publish("x", routing_key="h")
-        worker.drain_events(timeout=10)
-        assert _since(before, "h")["handoffs"] == 1
+    with _one_handoff(worker, connection) as got:
         got[0].requeue()  # attempt 1 (the handoff)
         worker.drain_events(timeout=10)
         assert got[1].delivery_info["pgqueue_attempts"] == 2
