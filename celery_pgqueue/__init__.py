@@ -9,7 +9,9 @@
     celery_pgqueue.configure(app, "postgresql://app@db.internal/app", keep_failed=True)
 
 Importing the package connects the failed-task archive's ``task_failure`` receiver
-(:mod:`celery_pgqueue.archive`), which does nothing unless an app turns it on.
+(:mod:`celery_pgqueue.archive`), which does nothing unless an app turns it on, and a
+``worker_init`` receiver that turns handoffs off in a solo worker (its event loop runs
+its tasks: :mod:`celery_pgqueue._pools`).
 """
 
 from __future__ import annotations
@@ -21,7 +23,10 @@ from kombu_pgqueue import __version__  # one distribution, one version
 from kombu_pgqueue.admin import conninfo
 from kombu_pgqueue.embedded import broker_url
 
-from . import archive
+from . import (
+    _pools,  # noqa: F401 - connects its worker_init receiver
+    archive,
+)
 from .atomic import AtomicTask
 
 __all__ = ["AtomicTask", "__version__", "broker_url", "configure", "result_backend_url"]

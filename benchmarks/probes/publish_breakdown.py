@@ -248,6 +248,8 @@ def statements_main() -> None:
         "replace": False,
         "channel": notify_channel(SCHEMA),
         "gate": False,
+        "handoff": False,  # with gate false a publish hands nothing off
+        "lease": 0,
     }
     results: dict[str, list[float]] = collections.defaultdict(list)
     with psycopg.connect(DSN, autocommit=True, prepare_threshold=0) as conn:

@@ -1,0 +1,105 @@
+"""A worker whose event loop runs its tasks (Celery's solo pool) takes no handoffs.
+
+A publish hands a message to a worker that waits for the queue (docs/lifecycle.md,
+"Handoff"). A solo worker runs each task inside its event loop, so while one runs it
+reads nothing: a message handed to it then waits behind that task while other workers
+idle. Such a worker registers as no waiter: it is woken, and claims, like any consumer
+once its loop is back; a waiting worker of another pool gets the handoff.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from celery_workers import Worker, workers
+from lifecycle_app import create_ledger, make_app, open_gate, worker_env
+from psycopg import sql
+from waiting import wait_for
+
+import kombu_pgqueue
+
+pytestmark = pytest.mark.celery
+
+HERE = Path(__file__).resolve().parent
+
+#: long enough that a message handed to a busy solo worker stays its own for the test
+VISIBILITY = 600
+
+
+@pytest.fixture
+def spawn(dsn: str, schema: str, tmp_path: Path) -> Iterator[Callable[..., Worker]]:
+    with workers(tmp_path) as started:
+
+        def spawn(name: str, pool: str, queues: str, **settings: Any) -> Worker:
+            return started.start(
+                "lifecycle_app",
+                name,
+                cwd=HERE,
+                env=worker_env(dsn, schema, visibility_timeout=VISIBILITY, **settings),
+                options=("-P", pool, "-c", "1", "-Q", queues),
+            )
+
+        yield spawn
+
+
+@pytest.fixture
+def publisher(dsn: str, schema: str, db: psycopg.Connection) -> Iterator[Any]:
+    kombu_pgqueue.migrate(dsn, schema)
+    create_ledger(db, schema)
+    app = make_app(dsn, schema, visibility_timeout=VISIBILITY)
+    try:
+        yield app
+    finally:
+        app.close()
+
+
+def finished(db: psycopg.Connection, schema: str, label: str) -> str | None:
+    """The hostname that ran task ``label`` to its end, or None."""
+    row = db.execute(
+        sql.SQL("SELECT hostname FROM {} WHERE label = %s AND finished_at IS NOT NULL").format(
+            sql.Identifier(schema, "ledger")
+        ),
+        (label,),
+    ).fetchone()
+    return None if row is None else str(row[0])
+
+
+def test_a_solo_worker_running_a_task_is_handed_nothing(spawn, publisher, db, schema):
+    # prefetch 4: the solo worker's window has room while its one task runs, so it
+    # waits for its queues all that time
+    solo = spawn("solo", "solo", "slow,celery", prefetch=4)
+    other = spawn("other", "prefork", "celery")
+    wait_for(
+        lambda: solo.says(" ready.") and other.says(" ready."),
+        30,
+        "both workers ready",
+        solo,
+        other,
+    )
+    publisher.send_task("lifecycle.block", ("slow", "gate"), queue="slow")
+    started = sql.SQL("SELECT hostname FROM {} WHERE label = 'slow'").format(
+        sql.Identifier(schema, "ledger")
+    )
+    wait_for(lambda: db.execute(started).fetchone(), 30, "the solo worker to start its task", solo)
+
+    # one at a time, each with both workers waiting: a handoff picks either; one handed
+    # to the solo worker would wait behind its task (the gate stays shut throughout)
+    for i in range(16):
+        publisher.send_task("lifecycle.work", (f"work{i}",), queue="celery")
+        host = wait_for(
+            lambda i=i: finished(db, schema, f"work{i}"),
+            30,
+            f"work{i} to run while the solo worker's loop runs a task",
+            other,
+        )
+        assert host.startswith("other@"), host
+
+    assert finished(db, schema, "slow") is None
+    open_gate(db, schema, "gate")
+    wait_for(lambda: finished(db, schema, "slow"), 30, "the solo worker's task to end", solo)
+    assert "handoffs off" in solo.log()
+    assert "Traceback" not in solo.log() + other.log()
