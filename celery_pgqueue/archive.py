@@ -59,7 +59,13 @@ NOT_HEADERS = frozenset(
 )  # fmt: skip
 
 #: the parts of the delivery that a claim adds to the stored properties
-_DELIVERY_ONLY = ("redelivered", "pgqueue_id", "pgqueue_queue", "pgqueue_attempts")
+_DELIVERY_ONLY = (
+    "redelivered",
+    "pgqueue_id",
+    "pgqueue_queue",
+    "pgqueue_attempts",
+    "pgqueue_handoff",
+)
 
 _brokers: weakref.WeakKeyDictionary[Any, admin.Broker] = weakref.WeakKeyDictionary()
 

@@ -309,6 +309,7 @@ class Consumer:
                 continue
             _counters.add("handoffs", queue)
             payload = codec.payload(handoff.row, queue, handoff.lease)
+            payload["properties"]["delivery_info"]["pgqueue_handoff"] = True
             error, _ = self._deliver_each(queue, [payload])
             if error is None:
                 error, _ = self._turn(queue, 1, 1)  # a window it filled: stop waiting

@@ -89,6 +89,7 @@ def test_a_waiting_consumer_gets_a_message_without_a_claim(
         }
         info = got[0].delivery_info
         assert info["pgqueue_attempts"] == 1 and not info["redelivered"]
+        assert info["pgqueue_handoff"] is True
         assert got[0].properties["priority"] == 3
         row = _row(db, schema, "h")
         assert row is not None and row[2] == 1  # leased as a claim would
@@ -146,6 +147,7 @@ def test_a_consumer_that_cannot_take_a_handoff_hands_it_back_to_one_that_can(
 
         assert [m.body for m in got] == [b"x"]
         assert got[0].delivery_info["pgqueue_attempts"] == 1  # handing back did not count
+        assert "pgqueue_handoff" not in got[0].delivery_info  # claimed
         assert held == [held[0]]
         counted = _since(before, "h")
         assert (counted["handoffs"], counted["handbacks"], counted["claimed"]) == (0, 1, 1)
