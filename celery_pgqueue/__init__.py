@@ -10,8 +10,9 @@
 
 Importing the package connects the failed-task archive's ``task_failure`` receiver
 (:mod:`celery_pgqueue.archive`), which does nothing unless an app turns it on, and a
-``worker_init`` receiver that turns handoffs off in a solo worker (its event loop runs
-its tasks: :mod:`celery_pgqueue._pools`).
+``worker_init`` receiver (:mod:`celery_pgqueue._worker`): the broker's schema is
+installed before Celery creates result tables in it, and a solo worker (its event
+loop runs its tasks) takes no handoffs.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from kombu_pgqueue.admin import conninfo
 from kombu_pgqueue.embedded import broker_url
 
 from . import (
-    _pools,  # noqa: F401 - connects its worker_init receiver
+    _worker,  # noqa: F401 - connects its worker_init receiver
     archive,
 )
 from .atomic import AtomicTask

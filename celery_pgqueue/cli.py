@@ -21,6 +21,7 @@ from datetime import timedelta
 from typing import Any
 
 import click
+import psycopg
 
 from kombu_pgqueue import admin
 from kombu_pgqueue.exceptions import ConfigurationError
@@ -122,9 +123,32 @@ def _dead_dict(dead: admin.DeadLetter, *, body: bool = False) -> dict[str, Any]:
     return found
 
 
-@click.group(name="pgqueue")
+class _Commands(click.Group):
+    """The commands, each ending in one line when the broker's database cannot be reached
+    (instead of psycopg's traceback)."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except psycopg.OperationalError as exc:
+            where = ctx.obj.app.connection_for_write().as_uri() if ctx.obj else "the broker"
+            reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else repr(exc)
+            raise click.ClickException(
+                f"cannot reach the broker's database ({where}): {reason}"
+            ) from exc
+
+
+@click.group(name="pgqueue", cls=_Commands)
 def pgqueue() -> None:
     """pgqueue broker: schema, queue sizes and dead letters."""
+
+
+def where(conninfo: str) -> str:
+    """Which database ``conninfo`` reaches, as the server says: ``database 'db' on
+    host:port as role`` (libpq fills in what the string leaves out)."""
+    with psycopg.connect(conninfo) as conn:
+        info = conn.info
+        return f"database {info.dbname!r} on {info.host}:{info.port} as {info.user}"
 
 
 @pgqueue.command()
@@ -134,7 +158,7 @@ def migrate(ctx: click.Context) -> None:
     broker = _broker(ctx)
     applied = broker.migrate()
     done = ", ".join(map(str, applied)) or "nothing (already current)"
-    click.echo(f"schema {broker.schema!r}: applied {done}")
+    click.echo(f"schema {broker.schema!r} in {where(broker.conninfo)}: applied {done}")
 
 
 @pgqueue.command()
@@ -176,8 +200,14 @@ def purge(ctx: click.Context, queue_names: tuple[str, ...], yes: bool) -> None:
     if not yes:
         click.confirm(f"Delete every waiting message in {', '.join(queue_names)}?", abort=True)
     broker = _broker(ctx)
+    unknown = [name for name in queue_names if not broker.queue_exists(name)]
     for name in queue_names:
-        click.echo(f"{name}: purged {broker.purge(name)} messages")
+        if name in unknown:
+            click.echo(f"{name}: no such queue in schema {broker.schema!r}", err=True)
+        else:
+            click.echo(f"{name}: purged {broker.purge(name)} messages")
+    if unknown:
+        raise click.exceptions.Exit(1)
 
 
 @pgqueue.group()

@@ -14,6 +14,9 @@ from . import _sql, migrations
 from ._options import DEFAULT_SCHEMA, mask
 from .exceptions import PgQueueError
 
+#: libpq's variables that say which server, database or role to connect to
+_LIBPQ_TARGET = ("PGHOST", "PGHOSTADDR", "PGPORT", "PGDATABASE", "PGUSER", "PGSERVICE")
+
 
 class _Parser(argparse.ArgumentParser):
     """argparse, minus the echo of a password in its usage errors."""
@@ -31,7 +34,10 @@ def main(argv: list[str] | None = None) -> int:
     common.add_argument(
         "--dsn",
         default=argparse.SUPPRESS,
-        help="libpq connection string or URL (default: $PGQUEUE_DSN, then libpq's PG* variables)",
+        help=(
+            "libpq connection string or URL (default: $PGQUEUE_DSN, then libpq's PG* "
+            "variables; migrate needs one of the three)"
+        ),
     )
     common.add_argument(
         "--schema", default=argparse.SUPPRESS, help="broker schema (default: pgqueue)"
@@ -53,6 +59,14 @@ def main(argv: list[str] | None = None) -> int:
 
         args.dsn = conninfo(args.dsn)
 
+    if args.command == "migrate" and not args.dsn and not any(map(os.getenv, _LIBPQ_TARGET)):
+        print(
+            "name the database to migrate: --dsn, $PGQUEUE_DSN or libpq's PGHOST/PGDATABASE "
+            "(without any, libpq would connect to its default database, on this machine's "
+            "socket, as this user)",
+            file=sys.stderr,
+        )
+        return 2
     if args.command == "sql":
         with psycopg.connect(args.dsn) as conn:
             for version, slug, text in _sql.migration_files():
@@ -61,14 +75,16 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         with psycopg.connect(args.dsn, autocommit=True) as conn:
+            info = conn.info
+            where = f"schema {args.schema!r} in database {info.dbname!r} on {info.host}:{info.port}"
             if args.command == "migrate":
                 applied = migrations.migrate(conn, args.schema)
                 done = ", ".join(map(str, applied)) or "nothing (already current)"
-                print(f"schema {args.schema!r}: applied {done}")
+                print(f"{where} as {info.user}: applied {done}")
             else:
                 have = migrations.current_version(conn, args.schema)
                 need = migrations.latest_version()
-                print(f"schema {args.schema!r}: version {have}, code needs {need}")
+                print(f"{where}: version {have}, code needs {need}")
     except psycopg.errors.ReadOnlySqlTransaction as exc:
         print(
             f"{mask(args.dsn) or 'the default database'} is read-only ({exc.diag.message_primary}):"

@@ -219,6 +219,10 @@ class Broker:
         """
         return self._store.queue_stats()
 
+    def queue_exists(self, queue: str) -> bool:
+        """Whether ``queue`` was declared or holds messages."""
+        return self._store.queue_exists(queue)
+
     def purge(self, queue: str) -> int:
         """Delete the waiting messages of ``queue`` (leased ones stay with their
         consumer); return how many."""

@@ -71,6 +71,12 @@ def stamp(message: dict[str, Any], exchange: str, routing_key: str) -> dict[str,
     return message
 
 
+#: the most a message (body, headers and properties) may take: PostgreSQL takes at most
+#: 1 GiB - 1 in one protocol message and in one value; a megabyte is left for the rest
+#: of the statement
+MAX_MESSAGE_BYTES = (1 << 30) - (1 << 20)
+
+
 def outgoing(queue: str, message: Mapping[str, Any], *, task_keys: TaskKeys) -> Outgoing:
     """The row of a Kombu message for ``queue`` ("" when routed by an exchange)."""
     body = message.get("body")
@@ -98,6 +104,14 @@ def outgoing(queue: str, message: Mapping[str, Any], *, task_keys: TaskKeys) -> 
         raise MessageError(
             f"message for queue {queue!r} has headers that cannot be stored as JSON: {exc}"
         ) from exc
+    size = len(body) + len(headers_json) + len(properties_json)
+    if size > MAX_MESSAGE_BYTES:
+        raise MessageError(
+            f"message for {('queue ' + repr(queue)) if queue else 'an exchange'} takes "
+            f"{size / (1 << 20):,.0f} MiB (body, headers and properties), over the "
+            f"{MAX_MESSAGE_BYTES >> 20:,} MiB that PostgreSQL takes in one statement: keep "
+            "the payload elsewhere (a table, object storage) and send a reference to it"
+        )
     return Outgoing(
         queue=queue,
         body=bytes(body),

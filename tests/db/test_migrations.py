@@ -89,7 +89,13 @@ def test_auto_migrate_off_after_the_migrate_command_connects(
     url_with: Callable[..., str], dsn: str, schema: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert main(["--dsn", dsn, "--schema", schema, "migrate"]) == 0
-    assert schema in capsys.readouterr().out
+    out = capsys.readouterr().out
+    with psycopg.connect(dsn) as db:  # the command says where it migrated
+        info = db.info
+        assert out.startswith(
+            f"schema {schema!r} in database {info.dbname!r} on {info.host}:{info.port} "
+            f"as {info.user}: applied 1, "
+        ), out
 
     conn = _connect(url_with(), schema=schema, auto_migrate=False)
     try:
@@ -228,3 +234,21 @@ def test_the_migrate_command_takes_a_broker_url(
 
     assert _schema_exists(db, schema)
     assert "applied" in capsys.readouterr().out
+
+
+def test_the_migrate_command_refuses_to_guess_the_database(
+    dsn: str,
+    schema: str,
+    db: psycopg.Connection,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Without --dsn, $PGQUEUE_DSN or libpq's variables, libpq would connect to its
+    default database (the local socket, a database named as the user): a schema created
+    where nobody meant it."""
+    for name in ("PGQUEUE_DSN", "PGHOST", "PGHOSTADDR", "PGPORT", "PGDATABASE", "PGUSER",
+                 "PGSERVICE"):  # fmt: skip
+        monkeypatch.delenv(name, raising=False)
+    assert main(["--schema", schema, "migrate"]) == 2
+    assert "name the database to migrate" in capsys.readouterr().err
+    assert not _schema_exists(db, schema)

@@ -15,6 +15,7 @@ import psycopg
 import pytest
 from lifecycle_app import create_ledger, make_app, worker_env
 from psycopg import sql
+from psycopg.conninfo import make_conninfo
 from psycopg.rows import dict_row
 
 import kombu_pgqueue
@@ -92,12 +93,33 @@ def test_migrate_installs_then_reports_current(cli, db, schema):
     latest = migrations.latest_version()
     done = cli("migrate", auto_migrate="false")
     applied = ", ".join(str(v) for v in range(1, latest + 1))
-    assert done.stdout.strip() == f"schema {schema!r}: applied {applied}"
+    info = db.info
+    target = f"database {info.dbname!r} on {info.host}:{info.port} as {info.user}"
+    assert done.stdout.strip() == f"schema {schema!r} in {target}: applied {applied}"
     assert kombu_pgqueue.current_version(db, schema) == latest
     assert rows(db, schema, "message") == []
 
     again = cli("migrate", auto_migrate="false")
-    assert again.stdout.strip() == f"schema {schema!r}: applied nothing (already current)"
+    assert (
+        again.stdout.strip() == f"schema {schema!r} in {target}: applied nothing (already current)"
+    )
+
+
+def test_a_database_that_cannot_be_reached_is_one_line_not_a_traceback(dsn, schema):
+    missing = make_conninfo(dsn, dbname="no_such_database_here")
+    done = subprocess.run(
+        [sys.executable, "-m", "celery", "-A", "lifecycle_app", "pgqueue", "queues"],
+        cwd=HERE,
+        env=worker_env(missing, schema),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 1, (done.stdout, done.stderr)
+    assert "Traceback" not in done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith("Error: cannot reach the broker's database (pgqueue://"), line
+    assert "no_such_database_here" in line
 
 
 def test_queues_counts_ready_delayed_and_dead_per_queue(cli, sent):
@@ -198,11 +220,10 @@ def test_purge_queues(cli, sent, db, schema):
     assert task_ids(left, "other") == []
     assert task_ids(left) == sent["celery"] + sent["delayed"]
 
-    done = cli("purge", "celery", "nothing-here", "--yes")
-    assert done.stdout.splitlines() == [
-        "celery: purged 4 messages",
-        "nothing-here: purged 0 messages",
-    ]
+    done = cli("purge", "celery", "nothing-here", "--yes", ok=False)
+    assert done.returncode == 1  # a typo is not a success
+    assert done.stdout.splitlines() == ["celery: purged 4 messages"]
+    assert done.stderr.strip() == f"nothing-here: no such queue in schema {schema!r}"
     assert rows(db, schema, "message") == []
     assert len(rows(db, schema, "dead_letter")) == 2  # purge leaves dead letters alone
 

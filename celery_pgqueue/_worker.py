@@ -1,0 +1,99 @@
+"""What a worker on pgqueue sets up as it starts (signal ``worker_init``).
+
+* **The broker's schema first.** Celery creates its result tables as the worker starts
+  (``database_create_tables_at_setup``), before the broker's first connection would
+  install the broker's schema; result tables placed in that schema
+  (``database_table_schemas``, docs/configuration.md) then had no schema to go to, and
+  the worker died at startup. The schema is installed or upgraded here first, as the
+  broker's first connection would (unless ``auto_migrate`` is off); a database that
+  cannot be reached yet is left to the worker's own retries.
+* **No handoffs to a loop that runs tasks.** Celery's solo pool runs each task inside
+  the worker's event loop: while a task runs, the worker reads nothing. A message
+  handed off to it then (docs/lifecycle.md, "Handoff") would wait behind that task
+  while other workers idle, so a solo worker takes no handoffs (transport option
+  ``handoff`` False): it is woken, and claims, once its loop is back, like any
+  consumer, and publishes hand messages to workers of other pools. An app that sets
+  ``handoff`` itself keeps its choice.
+
+Every ``celery`` command imports this package (its ``celery pgqueue`` command is an
+entry point), so the receivers are connected in every worker started from the command
+line; a worker started from Python connects them by importing ``celery_pgqueue``.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from typing import Any
+
+import psycopg
+from celery import signals
+from celery.concurrency import get_implementation
+from celery.concurrency.solo import TaskPool as SoloPool
+
+from kombu_pgqueue.admin import Broker
+from kombu_pgqueue.exceptions import ConfigurationError, PgQueueError
+
+logger = logging.getLogger(__name__)
+
+#: apps whose worker had its handoffs turned off here, said in its log once it is ready
+#: (worker_init comes before the worker sets up its logging)
+_turned_off: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def blocks_its_loop(pool: Any) -> bool:
+    """Whether a worker of pool ``pool`` (a class or Celery's name of one) runs its tasks
+    in its event loop."""
+    found = get_implementation(pool)
+    return isinstance(found, type) and issubclass(found, SoloPool)
+
+
+def _starting(sender: Any = None, **_: Any) -> None:
+    worker = sender
+    if worker is None:
+        return
+    app = worker.app
+    with app.connection_for_read() as connection:
+        if getattr(connection.get_transport_cls(), "driver_type", None) != "pgqueue":
+            return
+        try:
+            broker = Broker.from_connection(connection)
+        except ConfigurationError:
+            return  # the worker's own connection says what is wrong, as it always did
+    _schema_first(app, broker)
+    _no_handoffs_to_a_blocking_loop(app, worker.pool_cls)
+
+
+def _schema_first(app: Any, broker: Broker) -> None:
+    tables = app.conf.database_table_schemas or {}
+    if broker.schema not in tables.values() or not broker.options.auto_migrate:
+        return
+    try:
+        broker.ensure_schema()
+    except (psycopg.Error, PgQueueError) as exc:
+        # not reachable yet, or not this role's to install: the worker's own connection
+        # retries and errors say what is wrong
+        logger.debug("pgqueue: could not install schema %r before startup: %r", broker.schema, exc)
+
+
+def _no_handoffs_to_a_blocking_loop(app: Any, pool: Any) -> None:
+    options = dict(app.conf.broker_transport_options or {})
+    if "handoff" in options or not blocks_its_loop(pool):
+        return
+    app.conf.broker_transport_options = {**options, "handoff": False}
+    _turned_off.add(app)
+
+
+def _say_so(sender: Any = None, **_: Any) -> None:
+    app = getattr(sender, "app", None)
+    if app is not None and app in _turned_off:
+        _turned_off.discard(app)
+        logger.info(
+            "pgqueue: handoffs off for this worker: its pool runs tasks in its event loop, "
+            "so a message handed to it would wait for the task that runs; it is woken and "
+            "claims instead (the transport option handoff chooses)"
+        )
+
+
+signals.worker_init.connect(_starting, weak=False, dispatch_uid="celery_pgqueue.worker")
+signals.worker_ready.connect(_say_so, weak=False, dispatch_uid="celery_pgqueue.worker.ready")

@@ -1,0 +1,45 @@
+"""A worker whose result tables go to its broker's schema starts on an empty database.
+
+Celery creates its result tables as the worker starts (``database_create_tables_at_setup``),
+before the broker's first connection would install the broker's schema: the tables'
+schema did not exist yet, and the worker died at startup (``InvalidSchemaName``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import psycopg
+import pytest
+from celery_workers import workers
+from lifecycle_app import worker_env
+from psycopg import sql
+from results_app import make_app
+from waiting import wait_for
+
+pytestmark = pytest.mark.celery
+
+HERE = Path(__file__).resolve().parent
+
+
+def test_results_in_the_broker_schema_on_an_empty_database(
+    dsn: str, schema: str, db: psycopg.Connection, tmp_path: Path
+) -> None:
+    exists = "SELECT count(*) FROM pg_namespace WHERE nspname = %s"
+    assert db.execute(exists, (schema,)).fetchone() == (0,)  # nothing installed yet
+    with workers(tmp_path) as started:
+        worker = started.start(
+            "results_app",
+            "results",
+            cwd=HERE,
+            env=worker_env(dsn, schema),
+            options=("-P", "threads", "-c", "2", "-Q", "celery"),
+        )
+        wait_for(lambda: worker.says(" ready."), 60, "the worker to start", worker)
+        app = make_app(dsn, schema)
+        try:
+            assert app.send_task("results.add", (2, 3)).get(timeout=30) == 5
+        finally:
+            app.close()
+    stored = sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(schema, "celery_taskmeta"))
+    assert db.execute(stored).fetchone() == (1,)
