@@ -9,6 +9,7 @@
     celery -A proj pgqueue dead requeue ID... | --all [--queue Q] [--reason R]
     celery -A proj pgqueue dead purge [--queue Q] [--reason R] [--older-than 7d] --yes
     celery -A proj pgqueue purge QUEUE... --yes
+    celery -A proj pgqueue delete QUEUE... --yes
     celery -A proj pgqueue metrics [--port 9808] [--schema S] [--interval 10] [--cap 10000]
 """
 
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -199,13 +200,36 @@ def purge(ctx: click.Context, queue_names: tuple[str, ...], yes: bool) -> None:
     """Delete the waiting messages of QUEUE... (leased ones stay with their consumer)."""
     if not yes:
         click.confirm(f"Delete every waiting message in {', '.join(queue_names)}?", abort=True)
+    _each_queue(ctx, queue_names, lambda broker, name: f"purged {broker.purge(name)} messages")
+
+
+@pgqueue.command()
+@click.argument("queue_names", nargs=-1, required=True)
+@click.option("--yes", is_flag=True, help="do not ask")
+@click.pass_context
+def delete(ctx: click.Context, queue_names: tuple[str, ...], yes: bool) -> None:
+    """Delete QUEUE...: the declaration, bindings and every message, leased ones too
+    (dead letters stay; a worker that still consumes one declares it again)."""
+    if not yes:
+        click.confirm(
+            f"Delete {', '.join(queue_names)} with every message, in flight too?", abort=True
+        )
+    _each_queue(
+        ctx, queue_names, lambda broker, name: f"deleted with {broker.delete_queue(name)} messages"
+    )
+
+
+def _each_queue(
+    ctx: click.Context, queue_names: Sequence[str], act: Callable[[admin.Broker, str], str]
+) -> None:
+    """``act`` on each queue that exists, a line for each; exit 1 if one does not."""
     broker = _broker(ctx)
     unknown = [name for name in queue_names if not broker.queue_exists(name)]
     for name in queue_names:
         if name in unknown:
             click.echo(f"{name}: no such queue in schema {broker.schema!r}", err=True)
         else:
-            click.echo(f"{name}: purged {broker.purge(name)} messages")
+            click.echo(f"{name}: {act(broker, name)}")
     if unknown:
         raise click.exceptions.Exit(1)
 

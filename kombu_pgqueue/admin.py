@@ -223,6 +223,13 @@ class Broker:
         """Whether ``queue`` was declared or holds messages."""
         return self._store.queue_exists(queue)
 
+    def delete_queue(self, queue: str) -> int:
+        """Delete ``queue``: its declaration, its bindings and every message in it, those
+        consumers hold too (as RabbitMQ's ``queue.delete``); return how many messages.
+        Its dead letters stay. A worker that still consumes it declares it again when it
+        reconnects."""
+        return self._store.delete_queue(queue)
+
     def purge(self, queue: str) -> int:
         """Delete the waiting messages of ``queue`` (leased ones stay with their
         consumer); return how many."""

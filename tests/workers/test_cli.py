@@ -228,6 +228,27 @@ def test_purge_queues(cli, sent, db, schema):
     assert len(rows(db, schema, "dead_letter")) == 2  # purge leaves dead letters alone
 
 
+def test_delete_queues(cli, sent, db, schema):
+    held = sql.SQL(
+        "UPDATE {table} SET lease = 1, next_iteration = now() + interval '1 hour' "
+        "WHERE id = (SELECT min(id) FROM {table} WHERE queue = 'other')"
+    ).format(table=sql.Identifier(schema, "message"))
+    db.execute(held)  # one in flight: deleted too, as RabbitMQ's queue.delete does
+
+    done = cli("delete", "other", "nothing-here", "--yes", ok=False)
+
+    assert done.returncode == 1
+    assert done.stdout.splitlines() == ["other: deleted with 2 messages"]
+    assert done.stderr.strip() == f"nothing-here: no such queue in schema {schema!r}"
+    left = rows(db, schema, "message")
+    assert task_ids(left, "other") == []
+    assert task_ids(left) == sent["celery"] + sent["delayed"]
+    names = sql.SQL("SELECT name FROM {} ORDER BY name").format(sql.Identifier(schema, "queue"))
+    assert "other" not in [name for (name,) in db.execute(names)]
+    assert "other" not in [q["queue"] for q in json.loads(cli("queues", "--json").stdout)]
+    assert len(rows(db, schema, "dead_letter")) == 2  # dead letters stay
+
+
 @pytest.fixture
 def failed(dsn: str, schema: str, sent: dict[str, list[str]]) -> int:
     """The first message of 'other' kept as a task that failed for good: its letter id."""
