@@ -12,7 +12,8 @@ and its end to the ledger in autocommit statements on its own connection, which 
 re-opens and retries (for up to ``LEDGER_PATIENCE`` seconds) while the database is
 down, so the ledger holds every execution even across a server restart. A start row
 carries a client-made id and is inserted with ``ON CONFLICT DO NOTHING``: a retried
-insert whose first attempt did commit is not counted twice.
+insert whose first attempt did commit is not counted twice. It also carries how the
+task's message came (:func:`delivery`): handed off or claimed, its id and attempt.
 """
 
 from __future__ import annotations
@@ -73,14 +74,16 @@ class LedgerWriter:
                     raise
                 threading.Event().wait(0.5)
 
-    def start(self, task_id: str, worker: str) -> str:
+    def start(self, task_id: str, worker: str, request: Any = None) -> str:
+        """Write down an execution's start; with the task's ``request``, how it came."""
         run_id = uuid.uuid4().hex
+        handoff, message_id, attempts = delivery(request)
         self.execute(
             sql.SQL(
-                "INSERT INTO {} (run_id, task_id, worker, pid) VALUES (%s, %s, %s, %s) "
-                "ON CONFLICT (run_id) DO NOTHING"
+                "INSERT INTO {} (run_id, task_id, worker, pid, handoff, message_id, attempts) "
+                "VALUES (%s, %s, %s, %s, %s, %s, %s) ON CONFLICT (run_id) DO NOTHING"
             ).format(self.exec_table),
-            (run_id, task_id, worker, os.getpid()),
+            (run_id, task_id, worker, os.getpid(), handoff, message_id, attempts),
         )
         return run_id
 
@@ -101,6 +104,29 @@ class LedgerWriter:
         )
 
 
+def delivery(request: Any) -> tuple[bool | None, int | None, int | None]:
+    """(handed off?, message id, attempt) of a task's delivery; None where unknown.
+
+    The transport's delivery_info (``pgqueue_id``, ``pgqueue_attempts``, and
+    ``pgqueue_handoff`` True for a handoff) reaches a Celery task whole only in
+    ``request.properties["delivery_info"]``: Celery's ``Request`` builds
+    ``request.delivery_info`` from four keys of it (exchange, routing_key, priority,
+    redelivered). Both are read, so that either place will do.
+    """
+    if request is None:
+        return None, None, None
+    info = dict((getattr(request, "properties", None) or {}).get("delivery_info") or {})
+    info.update(getattr(request, "delivery_info", None) or {})
+    if info.get("pgqueue_id") is None:
+        return None, None, None
+    attempts = info.get("pgqueue_attempts")
+    return (
+        info.get("pgqueue_handoff") is True,
+        int(info["pgqueue_id"]),
+        None if attempts is None else int(attempts),
+    )
+
+
 def make_app(dsn: str, schema: str, run: str, options: dict[str, Any], prefetch: int) -> Celery:
     app = Celery("chaos", set_as_current=False)
     celery_pgqueue.configure(app, dsn, results=False, schema=schema, **options)
@@ -118,7 +144,7 @@ def make_app(dsn: str, schema: str, run: str, options: dict[str, Any], prefetch:
 
     @app.task(name="chaos.work", bind=True, shared=False)
     def work(self: Any, seconds: float = 0.0) -> None:
-        run_id = ledger.start(self.request.id, self.request.hostname or "")
+        run_id = ledger.start(self.request.id, self.request.hostname or "", self.request)
         if seconds:
             threading.Event().wait(seconds)
         ledger.finish(run_id)

@@ -1,14 +1,16 @@
-"""Scenarios with real ``celery worker`` processes: kill, long, poison (dbrestart and
-listenkill: server_scenarios.py)."""
+"""Scenarios with real ``celery worker`` processes: kill, handoff, long, poison
+(dbrestart and listenkill: server_scenarios.py)."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import random
 import signal
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from datetime import datetime, timezone
 from typing import Any
 
@@ -73,88 +75,231 @@ def _wait_drained(
     return False
 
 
-# -- 1. kill ------------------------------------------------------------------------------
+# -- 1. kill, and handoff: the same workers and kills, two ways of publishing -----------
+
+#: the workers' transport options under kills: a held message comes back after 10 s
+KILL_OPTIONS = {"visibility_timeout": 10, "polling_interval": 2}
 
 
-def kill(ctx: Context) -> Result:
-    n = ctx.tasks or (2000 if ctx.quick else 100_000)
-    rng = random.Random(5)
-    with ctx.run("kill") as run, run.connect() as conn:
-        fleet = run.fleet(
-            {"visibility_timeout": 10, "polling_interval": 2}, concurrency=3, prefetch=4
-        )
+class Killer:
+    """Every ``every`` seconds (at random within), SIGKILL a random ready worker's pool
+    child (70 %) or its main process (30 %; then its orphaned pool children a second
+    later, and a new worker is started). A worker that exits by itself (or logs Celery's
+    "Unrecoverable error") is recorded as a crash and replaced. Every kill is a ledger
+    event. Call :meth:`tick` often (``_wait_drained`` does)."""
+
+    def __init__(
+        self,
+        run: Run,
+        conn: psycopg.Connection,
+        fleet: procs.Fleet,
+        rng: random.Random,
+        every: tuple[float, float] = (2.0, 5.0),
+    ) -> None:
+        self.run, self.conn, self.fleet, self.rng, self.every = run, conn, fleet, rng, every
+        self.counts = {"main": 0, "child": 0, "crashed": 0}
+        self.next_kill = time.monotonic() + rng.uniform(*every)
+
+    def tick(self) -> None:
+        run_id = self.run.run_id
+        for worker in list(self.fleet.workers):
+            if getattr(worker, "reaped", False) or not worker.broken():
+                continue
+            worker.reaped = True  # type: ignore[attr-defined]
+            worker.kill_group()
+            ledger.record_event(self.conn, run_id, "crash", worker.name, worker.proc.pid)
+            self.counts["crashed"] += 1
+            print(f"    worker {worker.name} exited by itself:\n{worker.log_tail(1500)}")
+            self.fleet.spawn()
+        if time.monotonic() < self.next_kill:
+            return
+        self.next_kill = time.monotonic() + self.rng.uniform(*self.every)
+        # only workers that are up: a pool child killed while billiard starts the pool
+        # makes Celery give up ("Could not start worker processes")
+        ready = {
+            r[0]
+            for r in self.conn.execute(
+                sql.SQL("SELECT worker FROM {} WHERE kind = 'ready'").format(
+                    ledger.tables(run_id)["event"]
+                )
+            )
+        }
+        live = [w for w in self.fleet.live() if w.name in ready]
+        if not live:
+            return
+        worker = self.rng.choice(live)
+        children = worker.children()
+        if self.rng.random() < 0.3 or not children:
+            os.kill(worker.proc.pid, signal.SIGKILL)
+            at = _killed_at()
+            ledger.record_event(self.conn, run_id, "main", worker.name, worker.proc.pid, at)
+            procs.pause(1.0)  # the orphaned pool children run on a moment, then die too
+            worker.kill_group()
+            at = _killed_at()
+            ledger.record_event(self.conn, run_id, "orphans", worker.name, worker.proc.pid, at)
+            worker.reaped = True  # type: ignore[attr-defined]
+            self.counts["main"] += 1
+            self.fleet.spawn()
+            return
+        pid = self.rng.choice(children)
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            return
+        ledger.record_event(self.conn, run_id, "child", worker.name, pid, _killed_at())
+        self.counts["child"] += 1
+
+
+def _under_kills(
+    ctx: Context,
+    name: str,
+    n: int,
+    rng: random.Random,
+    publish: Callable[[Run, psycopg.Connection], Any],
+    timeout: float,
+    wait_ready: bool = False,
+) -> tuple[Result, Killer]:
+    """3 prefork workers x 3 processes (prefetch 4, ``acks_late``) run ``chaos.work``
+    while a :class:`Killer` kills; ``publish(run, conn)`` starts the publishing and
+    returns something with ``is_alive()``. Passed: drained, the ledger's criteria (0
+    lost, no overlap, every duplicate explained), no worker exited by itself."""
+    with ctx.run(name) as run, run.connect() as conn:
+        fleet = run.fleet(KILL_OPTIONS, concurrency=3, prefetch=4)
         for _ in range(3):
             fleet.spawn()
-        app = run.app()
-        publisher = _publish_bulk(
-            run, app, [("chaos.work", (_work_seconds(rng),)) for _ in range(n)]
-        )
-        kills = {"main": 0, "child": 0, "crashed": 0}
-        next_kill = [time.monotonic() + rng.uniform(2, 5)]
-
-        def tick() -> None:
-            for worker in list(fleet.workers):
-                if getattr(worker, "reaped", False) or not worker.broken():
-                    continue
-                worker.reaped = True  # type: ignore[attr-defined]
-                worker.kill_group()
-                ledger.record_event(conn, run.run_id, "crash", worker.name, worker.proc.pid)
-                kills["crashed"] += 1
-                print(f"    worker {worker.name} exited by itself:\n{worker.log_tail(1500)}")
-                fleet.spawn()
-            if time.monotonic() < next_kill[0]:
-                return
-            next_kill[0] = time.monotonic() + rng.uniform(2, 5)
-            # only workers that are up: a pool child killed while billiard starts the
-            # pool makes Celery give up ("Could not start worker processes")
-            ready = {
-                r[0]
-                for r in conn.execute(
-                    sql.SQL("SELECT worker FROM {} WHERE kind = 'ready'").format(
-                        ledger.tables(run.run_id)["event"]
-                    )
-                )
-            }
-            live = [w for w in fleet.live() if w.name in ready]
-            if not live:
-                return
-            worker = rng.choice(live)
-            children = worker.children()
-            if rng.random() < 0.3 or not children:
-                os.kill(worker.proc.pid, signal.SIGKILL)
-                at = _killed_at()
-                ledger.record_event(conn, run.run_id, "main", worker.name, worker.proc.pid, at)
-                procs.pause(1.0)  # the orphaned pool children run on a moment, then die too
-                worker.kill_group()
-                at = _killed_at()
-                ledger.record_event(conn, run.run_id, "orphans", worker.name, worker.proc.pid, at)
-                worker.reaped = True  # type: ignore[attr-defined]
-                kills["main"] += 1
-                fleet.spawn()
-            else:
-                pid = rng.choice(children)
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    return
-                ledger.record_event(conn, run.run_id, "child", worker.name, pid, _killed_at())
-                kills["child"] += 1
-
-        drained = _wait_drained(run, conn, publisher, timeout=max(600, n / 40), tick=tick)
+        if wait_ready:
+            run.wait_ready(conn, 3)
+        publisher = publish(run, conn)
+        killer = Killer(run, conn, fleet, rng)
+        drained = _wait_drained(run, conn, publisher, timeout=timeout, tick=killer.tick)
         fleet.stop()
         fig = ledger.analyse(conn, run.run_id, run.schema)
-        result = Result(
-            "kill", drained and fig.ok() and not kills["crashed"], fig, seconds=run.elapsed()
-        )
+        passed = drained and fig.ok() and not killer.counts["crashed"]
+        result = Result(name, passed, fig, seconds=run.elapsed())
         result.measures += [
             ("tasks", n),
-            ("SIGKILLs of main processes", kills["main"]),
-            ("SIGKILLs of pool children", kills["child"]),
-            ("workers that exited by themselves", kills["crashed"]),
+            ("SIGKILLs of main processes", killer.counts["main"]),
+            ("SIGKILLs of pool children", killer.counts["child"]),
+            ("workers that exited by themselves", killer.counts["crashed"]),
             ("workers started", fleet.started),
             ("drained (no message left)", drained),
         ]
-        return result
+        return result, killer
+
+
+def kill(ctx: Context) -> Result:
+    """Tasks published by COPY (``send_many``) into a backlog while workers are killed."""
+    n = ctx.tasks or (2000 if ctx.quick else 100_000)
+    rng = random.Random(5)
+    specs: list[tuple[str, tuple[Any, ...]]] = [
+        ("chaos.work", (_work_seconds(rng),)) for _ in range(n)
+    ]
+    result, _ = _under_kills(
+        ctx,
+        "kill",
+        n,
+        rng,
+        lambda run, conn: _publish_bulk(run, run.app(), specs),
+        timeout=max(600, n / 40),
+    )
+    return result
+
+
+#: handoff: total publish rate (tasks/s, all producers): below what the workers drain,
+#: so that they mostly wait and publishes are handed off (CHAOS_HANDOFF_RATE)
+HANDOFF_RATE = float(os.environ.get("CHAOS_HANDOFF_RATE", "100"))
+HANDOFF_PRODUCERS = 3
+#: handoff passes only if at least this share of first executions came by handoff
+HANDOFF_MIN_SHARE = 0.5
+
+
+def _send_one_by_one(
+    dsn: str, schema: str, run_id: str, count: int, rate: float, seed: int
+) -> None:
+    """A producer process: ``count`` ``chaos.work`` tasks, one ``send_task`` each, at
+    ``rate``/s (a late one is not made up for with a burst); each id is written to the
+    ledger once its publish returned (in batches of 50, and at the end)."""
+    from .app import make_app
+
+    app = make_app(dsn, schema, run_id, dict(KILL_OPTIONS), 1)
+    rng = random.Random(seed)
+    believed: list[str] = []
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        due = time.monotonic()
+        for _ in range(count):
+            procs.pause(due - time.monotonic())
+            due = max(due, time.monotonic()) + 1.0 / rate
+            task_id = str(uuid.uuid4())
+            app.send_task("chaos.work", (_work_seconds(rng),), task_id=task_id)
+            believed.append(task_id)
+            if len(believed) >= 50:
+                ledger.record_published(conn, run_id, believed)
+                believed = []
+        ledger.record_published(conn, run_id, believed)
+    app.close()
+
+
+class _Producers:
+    """Producer processes, alive while any of them is."""
+
+    def __init__(self, processes: list[Any]) -> None:
+        self.processes = processes
+        for p in processes:
+            p.start()
+
+    def is_alive(self) -> bool:
+        return any(p.is_alive() for p in self.processes)
+
+    def failed(self) -> list[int]:
+        return [p.exitcode for p in self.processes if p.exitcode not in (0, None)]
+
+
+def handoff(ctx: Context) -> Result:
+    """kill's workers and kills, but the tasks are sent one by one (``send_task``) by
+    producer processes at a rate the workers keep up with: they mostly wait, so most
+    publishes lease the message to a waiting worker (a handoff) rather than queue it."""
+    n = ctx.tasks or (2000 if ctx.quick else 20_000)
+    rng = random.Random(13)
+    mp = multiprocessing.get_context("spawn")
+    share = n // HANDOFF_PRODUCERS
+    counts = [share + (i < n - share * HANDOFF_PRODUCERS) for i in range(HANDOFF_PRODUCERS)]
+    rate = HANDOFF_RATE / HANDOFF_PRODUCERS
+    producers: list[_Producers] = []
+
+    def publish(run: Run, conn: psycopg.Connection) -> _Producers:
+        args = (ctx.dsn, run.schema, run.run_id)
+        processes = [
+            mp.Process(target=_send_one_by_one, args=(*args, k, rate, 100 + i), daemon=True)
+            for i, k in enumerate(counts)
+        ]
+        producers.append(_Producers(processes))
+        return producers[0]
+
+    result, _ = _under_kills(
+        ctx, "handoff", n, rng, publish, timeout=n / HANDOFF_RATE + 600, wait_ready=True
+    )
+    failed = producers[0].failed() if producers else []
+    fig = result.figures
+    assert fig is not None
+    handed = fig.handoff_share()
+    if failed:
+        result.passed = False
+        result.notes.append(f"producer processes exited with {failed}")
+    if fig.published != n:
+        result.passed = False
+        result.notes.append(f"{fig.published} of {n} publishes were written down")
+    if handed < HANDOFF_MIN_SHARE:
+        result.passed = False
+        result.notes.append(
+            f"only {handed:.1%} of first executions came by handoff (at least "
+            f"{HANDOFF_MIN_SHARE:.0%} wanted): the handoff path was not what ran; publish "
+            "slower (CHAOS_HANDOFF_RATE)"
+        )
+    result.measures[1:1] = [
+        ("producers x tasks, one send_task each", f"{HANDOFF_PRODUCERS} x {counts[0]}"),
+        ("publish rate (tasks/s, all producers)", HANDOFF_RATE),
+    ]
+    return result
 
 
 # -- 2. long ------------------------------------------------------------------------------

@@ -3,7 +3,8 @@
 Tables live in schema ``chaos_ledger``, apart from the broker's schema, one set per run:
 
 * ``"<run>_published"``: every task id a producer believes it published.
-* ``"<run>_exec"``: one row per execution (task id, worker, pid, start, end).
+* ``"<run>_exec"``: one row per execution (task id, worker, pid, start, end; how its
+  message came: handed off or claimed, the message's id and attempt).
 * ``"<run>_event"``: kills, database restarts and worker-ready notes, with their time.
 
 :func:`analyse` turns them into the figures a scenario prints.
@@ -47,7 +48,10 @@ def create(conn: psycopg.Connection, run: str) -> None:
                 worker text NOT NULL,
                 pid integer NOT NULL,
                 started_at timestamptz NOT NULL DEFAULT clock_timestamp(),
-                finished_at timestamptz
+                finished_at timestamptz,
+                handoff boolean,
+                message_id bigint,
+                attempts integer
             )
             """
         ).format(t["exec"])
@@ -126,6 +130,17 @@ class Figures:
     by_crash: int = 0  # of those, explained only by a worker that crashed by itself
     unexplained: list[str] = field(default_factory=list)
     lost_ids: list[str] = field(default_factory=list)
+    # how executions' messages came (NULL in the ledger: the task did not say)
+    by_handoff: int = 0  # executions of a handed-off delivery
+    by_claim: int = 0  # executions of a claimed one
+    first_by_handoff: int = 0  # of each executed task's first execution
+    firsts: int = 0  # published tasks with at least one execution
+    duplicated_after_handoff: int = 0  # duplicated tasks with a handed-off earlier execution
+    explained_after_handoff: int = 0  # of those, explained by a kill/restart/crash
+
+    def handoff_share(self) -> float:
+        """The share of first executions whose delivery was a handoff."""
+        return self.first_by_handoff / self.firsts if self.firsts else 0.0
 
     def ok(self, *, allow_duplicates: bool = True) -> bool:
         return (
@@ -148,6 +163,19 @@ class Figures:
             ("duplicates explained by a kill/restart", self.explained - self.by_crash),
             ("duplicates explained by a worker crash", self.by_crash),
             ("duplicates NOT explained", len(self.unexplained)),
+        ] + (self.handoff_rows() if self.by_handoff or self.by_claim else [])
+
+    def handoff_rows(self) -> list[tuple[str, Any]]:
+        return [
+            ("executions by handoff / by claim", f"{self.by_handoff} / {self.by_claim}"),
+            (
+                "first executions by handoff",
+                f"{self.first_by_handoff} of {self.firsts} ({self.handoff_share():.1%})",
+            ),
+            (
+                "duplicates with a handed-off earlier execution (explained)",
+                f"{self.duplicated_after_handoff} ({self.explained_after_handoff})",
+            ),
         ]
 
 
@@ -209,6 +237,11 @@ def analyse(conn: psycopg.Connection, run: str, broker_schema: str) -> Figures:
     for task_id in published:
         runs = by_task.get(task_id, [])
         fig.executions += len(runs)
+        fig.by_handoff += sum(r["handoff"] is True for r in runs)
+        fig.by_claim += sum(r["handoff"] is False for r in runs)
+        if runs:
+            fig.firsts += 1
+            fig.first_by_handoff += runs[0]["handoff"] is True
         if any(r["finished_at"] is not None for r in runs):
             fig.executed += 1
         elif task_id in dead:
@@ -234,6 +267,9 @@ def analyse(conn: psycopg.Connection, run: str, broker_schema: str) -> Figures:
                 overlapping = True
         fig.explained += explained
         fig.by_crash += explained and crash
+        if any(r["handoff"] for r in runs[:-1]):
+            fig.duplicated_after_handoff += 1
+            fig.explained_after_handoff += explained
         fig.overlapping += overlapping
         if not explained:
             fig.unexplained.append(task_id)

@@ -4,7 +4,7 @@
     python -m benchmarks.chaos [scenario ...] [--tasks N] [--minutes M] [--quick]
     python benchmarks/chaos/run.py kill --tasks 5000    # from the repo root: the same
 
-Scenarios: kill, long, dbrestart, listenkill, poison, load, snapshot, failover, atomic
+Scenarios: kill, handoff, long, dbrestart, listenkill, poison, load, snapshot, failover, atomic
 (default: all).
 The exit status is 0 when every scenario passed.
 """
@@ -39,6 +39,7 @@ from benchmarks.chaos.context import Context, Result  # noqa: E402
 DEFAULT_DSN = "postgresql://postgres@127.0.0.1:5432/test"
 SCENARIOS = [
     "kill",
+    "handoff",
     "long",
     "dbrestart",
     "listenkill",
@@ -63,7 +64,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help=f"any of {', '.join(SCENARIOS)} (default: all)",
     )
     parser.add_argument(
-        "--tasks", type=int, help="tasks for kill, dbrestart, poison, failover, atomic"
+        "--tasks", type=int, help="tasks for kill, handoff, dbrestart, poison, failover, atomic"
     )
     parser.add_argument("--minutes", type=float, help="duration of load, and of the open snapshot")
     parser.add_argument(
