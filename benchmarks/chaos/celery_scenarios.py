@@ -158,7 +158,7 @@ def _under_kills(
     publish: Callable[[Run, psycopg.Connection], Any],
     timeout: float,
     wait_ready: bool = False,
-) -> tuple[Result, Killer]:
+) -> Result:
     """3 prefork workers x 3 processes (prefetch 4, ``acks_late``) run ``chaos.work``
     while a :class:`Killer` kills; ``publish(run, conn)`` starts the publishing and
     returns something with ``is_alive()``. Passed: drained, the ledger's criteria (0
@@ -184,7 +184,7 @@ def _under_kills(
             ("workers started", fleet.started),
             ("drained (no message left)", drained),
         ]
-        return result, killer
+        return result
 
 
 def kill(ctx: Context) -> Result:
@@ -194,7 +194,7 @@ def kill(ctx: Context) -> Result:
     specs: list[tuple[str, tuple[Any, ...]]] = [
         ("chaos.work", (_work_seconds(rng),)) for _ in range(n)
     ]
-    result, _ = _under_kills(
+    return _under_kills(
         ctx,
         "kill",
         n,
@@ -202,7 +202,6 @@ def kill(ctx: Context) -> Result:
         lambda run, conn: _publish_bulk(run, run.app(), specs),
         timeout=max(600, n / 40),
     )
-    return result
 
 
 #: handoff: total publish rate (tasks/s, all producers): below what the workers drain,
@@ -250,8 +249,9 @@ class _Producers:
     def is_alive(self) -> bool:
         return any(p.is_alive() for p in self.processes)
 
-    def failed(self) -> list[int]:
-        return [p.exitcode for p in self.processes if p.exitcode not in (0, None)]
+    def failed(self) -> list[int | None]:
+        """Exit codes of those that did not end well (None: still running)."""
+        return [p.exitcode for p in self.processes if p.exitcode != 0]
 
 
 def handoff(ctx: Context) -> Result:
@@ -275,9 +275,15 @@ def handoff(ctx: Context) -> Result:
         producers.append(_Producers(processes))
         return producers[0]
 
-    result, _ = _under_kills(
-        ctx, "handoff", n, rng, publish, timeout=n / HANDOFF_RATE + 600, wait_ready=True
-    )
+    try:
+        result = _under_kills(
+            ctx, "handoff", n, rng, publish, timeout=n / HANDOFF_RATE + 600, wait_ready=True
+        )
+    finally:
+        for p in producers[0].processes if producers else []:
+            p.join(timeout=5)
+            if p.is_alive():  # not done when the drain timed out: it must not go on
+                p.terminate()
     failed = producers[0].failed() if producers else []
     fig = result.figures
     assert fig is not None
