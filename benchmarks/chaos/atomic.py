@@ -20,11 +20,9 @@ from __future__ import annotations
 import json
 import os
 import random
-import signal
 import subprocess
 import sys
 import time
-from datetime import datetime, timezone
 from typing import Any
 
 import psycopg
@@ -34,8 +32,8 @@ from celery_pgqueue.atomic import AtomicTask
 
 from . import ledger, procs
 from .app import LedgerWriter, lazy_app, make_app
-from .celery_scenarios import _publish_bulk, _wait_drained
-from .context import Context, Result, Run
+from .celery_scenarios import Killer, _publish_bulk, _wait_drained
+from .context import Context, Result
 
 #: SIGKILLs come every KILL_EVERY seconds, at random within
 KILL_EVERY = (2.0, 3.0)
@@ -145,7 +143,7 @@ def atomic(ctx: Context) -> Result:
         app = run.app()
         specs = [("chaos.atomic", (_work_seconds(rng),)) for _ in range(n)]
         publisher = _publish_bulk(run, app, specs)
-        kills = _Killer(run, conn, fleet, rng)
+        kills = Killer(run, conn, fleet, rng, every=KILL_EVERY)
         drained = _wait_drained(run, conn, publisher, timeout=max(600, n / 20), tick=kills.tick)
         fleet.stop()
         fig = ledger.analyse(conn, run.run_id, run.schema)
@@ -178,75 +176,6 @@ def atomic(ctx: Context) -> Result:
 def _work_seconds(rng: random.Random) -> float:
     # mostly short tasks, some long enough that a kill often lands in their transaction
     return rng.uniform(0.0, 0.01) if rng.random() < 0.95 else rng.uniform(0.2, 1.0)
-
-
-class _Killer:
-    """Every 2-3 s, SIGKILL a pool child (70 %) or a main process of a ready worker."""
-
-    def __init__(
-        self, run: Run, conn: psycopg.Connection, fleet: AtomicFleet, rng: random.Random
-    ) -> None:
-        self.run, self.conn, self.fleet, self.rng = run, conn, fleet, rng
-        self.counts = {"main": 0, "child": 0, "crashed": 0}
-        self.next_kill = time.monotonic() + rng.uniform(*KILL_EVERY)
-
-    def tick(self) -> None:
-        run_id = self.run.run_id
-        for worker in list(self.fleet.workers):
-            if getattr(worker, "reaped", False) or not worker.broken():
-                continue
-            worker.reaped = True  # type: ignore[attr-defined]
-            worker.kill_group()
-            ledger.record_event(self.conn, run_id, "crash", worker.name, worker.proc.pid)
-            self.counts["crashed"] += 1
-            print(f"    worker {worker.name} exited by itself:\n{worker.log_tail(1500)}")
-            self.fleet.spawn()
-        if time.monotonic() < self.next_kill:
-            return
-        self.next_kill = time.monotonic() + self.rng.uniform(*KILL_EVERY)
-        ready = {
-            r[0]
-            for r in self.conn.execute(
-                sql.SQL("SELECT worker FROM {} WHERE kind = 'ready'").format(
-                    ledger.tables(run_id)["event"]
-                )
-            )
-        }
-        # only workers that are up: a pool child killed while billiard starts the pool
-        # makes Celery give up ("Could not start worker processes")
-        live = [w for w in self.fleet.live() if w.name in ready]
-        if not live:
-            return
-        worker = self.rng.choice(live)
-        children = worker.children()
-        if self.rng.random() < 0.3 or not children:
-            os.kill(worker.proc.pid, signal.SIGKILL)
-            at = _killed_at()
-            ledger.record_event(self.conn, run_id, "main", worker.name, worker.proc.pid, at)
-            procs.pause(1.0)  # the orphaned pool children run on a moment, then die too
-            worker.kill_group()
-            at = _killed_at()
-            ledger.record_event(self.conn, run_id, "orphans", worker.name, worker.proc.pid, at)
-            worker.reaped = True  # type: ignore[attr-defined]
-            self.counts["main"] += 1
-            self.fleet.spawn()
-            return
-        pid = self.rng.choice(children)
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            return
-        ledger.record_event(self.conn, run_id, "child", worker.name, pid, _killed_at())
-        self.counts["child"] += 1
-
-
-def _killed_at() -> datetime:
-    """A kill's time in the ledger: this machine's clock (the server's too) right after
-    the signal was sent, when the process can run no more. The server's clock at the
-    event's INSERT can come later than the next execution's start (a killed child's task
-    is requeued and starts elsewhere within 0.1 s; the INSERT is slower under load), and
-    read before the kill, earlier than the start of the execution it cut short."""
-    return datetime.now(timezone.utc)
 
 
 __getattr__ = lazy_app(globals(), make_atomic_app)
