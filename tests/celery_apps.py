@@ -14,7 +14,7 @@ Worker processes import it as the tests do: their ``PYTHONPATH`` includes ``test
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from celery import Celery
@@ -53,3 +53,17 @@ def celery_app(
     )
     app.conf.update({**CONF, **(conf or {})})
     return app
+
+
+def lazy_app(namespace: dict[str, Any], build: Callable[[], Celery]) -> Callable[[str], Any]:
+    """A module's ``__getattr__`` that builds its ``app`` on first use (``celery -A
+    module`` looks it up), so that tests import the module's helpers without a worker's
+    environment: ``__getattr__ = lazy_app(globals(), app_from_environment)``."""
+
+    def __getattr__(name: str) -> Any:
+        if name == "app":
+            namespace["app"] = built = build()
+            return built
+        raise AttributeError(name)
+
+    return __getattr__

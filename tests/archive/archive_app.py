@@ -26,7 +26,7 @@ from typing import Any
 
 import psycopg
 from celery import Celery
-from celery_apps import celery_app
+from celery_apps import celery_app, lazy_app
 from psycopg import sql
 
 #: longer than any test waits: a task that waits this long is killed by its time limit
@@ -135,11 +135,9 @@ def make_app(dsn: str, schema: str, *, keep_failed: bool = True) -> Celery:
     return app
 
 
-def __getattr__(name: str) -> Any:
-    # built on first use, so the tests import the helpers without a worker's environment
-    if name == "app":
-        keep = os.environ.get("PGQUEUE_KEEP_FAILED", "1") != "0"
-        built = make_app(os.environ["PGQUEUE_DSN"], os.environ["PGQUEUE_SCHEMA"], keep_failed=keep)
-        globals()["app"] = built
-        return built
-    raise AttributeError(name)
+def app_from_environment() -> Celery:
+    keep = os.environ.get("PGQUEUE_KEEP_FAILED", "1") != "0"
+    return make_app(os.environ["PGQUEUE_DSN"], os.environ["PGQUEUE_SCHEMA"], keep_failed=keep)
+
+
+__getattr__ = lazy_app(globals(), app_from_environment)

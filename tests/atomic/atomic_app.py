@@ -21,7 +21,7 @@ from typing import Any
 
 import psycopg
 from celery import Celery
-from celery_apps import celery_app
+from celery_apps import celery_app, lazy_app
 from psycopg import sql
 from waiting import wait_for
 
@@ -174,9 +174,4 @@ def app_from_environment(env: Mapping[str, str] = os.environ) -> Celery:
     return make_app(env["ATOMIC_DSN"], env["ATOMIC_SCHEMA"], **options)
 
 
-def __getattr__(name: str) -> Any:
-    # built on first use: `celery -A atomic_app` looks up `app`
-    if name == "app":
-        globals()["app"] = built = app_from_environment()
-        return built
-    raise AttributeError(name)
+__getattr__ = lazy_app(globals(), app_from_environment)

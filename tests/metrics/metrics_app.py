@@ -12,11 +12,10 @@ from __future__ import annotations
 import os
 import urllib.request
 from pathlib import Path
-from typing import Any
 
 import psycopg
 from celery import Celery
-from celery_apps import celery_app
+from celery_apps import celery_app, lazy_app
 from prometheus_client.parser import text_string_to_metric_families
 from psycopg import sql
 from waiting import wait_for
@@ -104,9 +103,6 @@ def make_app(dsn: str, schema: str) -> Celery:
     return app
 
 
-def __getattr__(name: str) -> Any:
-    # built on first use, so tests can import the helpers without a worker's environment
-    if name == "app":
-        globals()["app"] = built = make_app(os.environ["PGQUEUE_DSN"], os.environ["PGQUEUE_SCHEMA"])
-        return built
-    raise AttributeError(name)
+__getattr__ = lazy_app(
+    globals(), lambda: make_app(os.environ["PGQUEUE_DSN"], os.environ["PGQUEUE_SCHEMA"])
+)

@@ -23,7 +23,7 @@ from typing import Any
 
 import psycopg
 from celery import Celery
-from celery_apps import celery_app
+from celery_apps import celery_app, lazy_app
 from kombu import Queue
 from kombu.common import Broadcast
 from psycopg import sql
@@ -172,9 +172,4 @@ def app_from_environment(env: Mapping[str, str] = os.environ) -> Celery:
     )
 
 
-def __getattr__(name: str) -> Any:
-    # built on first use, so tests can import the helpers without a worker's environment
-    if name == "app":
-        globals()["app"] = built = app_from_environment()
-        return built
-    raise AttributeError(name)
+__getattr__ = lazy_app(globals(), app_from_environment)

@@ -25,7 +25,7 @@ from typing import Any
 
 import psycopg
 from celery import Celery
-from celery_apps import celery_app
+from celery_apps import celery_app, lazy_app
 from psycopg import sql
 from waiting import wait_for
 
@@ -185,10 +185,4 @@ def app_from_environment(env: Mapping[str, str] = os.environ) -> Celery:
     )
 
 
-def __getattr__(name: str) -> Any:
-    # built on first use, so the tests can import the helpers above without a worker's
-    # environment; `celery -A lifecycle_app` looks up `app` and gets here
-    if name == "app":
-        globals()["app"] = built = app_from_environment()
-        return built
-    raise AttributeError(name)
+__getattr__ = lazy_app(globals(), app_from_environment)

@@ -6,10 +6,9 @@ worker``: built from ``PGQUEUE_DSN`` and ``PGQUEUE_SCHEMA`` (see ``lifecycle_app
 from __future__ import annotations
 
 import os
-from typing import Any
 
 from celery import Celery
-from celery_apps import celery_app
+from celery_apps import celery_app, lazy_app
 
 
 def make_app(dsn: str, schema: str) -> Celery:
@@ -30,9 +29,6 @@ def make_app(dsn: str, schema: str) -> Celery:
     return app
 
 
-def __getattr__(name: str) -> Any:
-    # `celery -A results_app` looks up `app` and gets here
-    if name == "app":
-        globals()["app"] = built = make_app(os.environ["PGQUEUE_DSN"], os.environ["PGQUEUE_SCHEMA"])
-        return built
-    raise AttributeError(name)
+__getattr__ = lazy_app(
+    globals(), lambda: make_app(os.environ["PGQUEUE_DSN"], os.environ["PGQUEUE_SCHEMA"])
+)
