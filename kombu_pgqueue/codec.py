@@ -71,10 +71,12 @@ def stamp(message: dict[str, Any], exchange: str, routing_key: str) -> dict[str,
     return message
 
 
-#: the most a message (body, headers and properties) may take: PostgreSQL takes at most
-#: 1 GiB - 1 in one protocol message and in one value; a megabyte is left for the rest
-#: of the statement
-MAX_MESSAGE_BYTES = (1 << 30) - (1 << 20)
+#: the most a message (body, headers and properties) may take. PostgreSQL builds no value
+#: of 1 GiB or more, and a statement that reads a body in text format (a claim without a
+#: pool's binary results, ``basic_get``, ``celery pgqueue dead show``, a text COPY)
+#: gets it as hex, twice its size: so half of that, less a megabyte for the rest. A
+#: larger body published, but no consumer could read it back
+MAX_MESSAGE_BYTES = (1 << 29) - (1 << 20)
 
 
 def outgoing(queue: str, message: Mapping[str, Any], *, task_keys: TaskKeys) -> Outgoing:
@@ -109,7 +111,7 @@ def outgoing(queue: str, message: Mapping[str, Any], *, task_keys: TaskKeys) -> 
         raise MessageError(
             f"message for {('queue ' + repr(queue)) if queue else 'an exchange'} takes "
             f"{size / (1 << 20):,.0f} MiB (body, headers and properties), over the "
-            f"{MAX_MESSAGE_BYTES >> 20:,} MiB that PostgreSQL takes in one statement: keep "
+            f"{MAX_MESSAGE_BYTES >> 20:,} MiB that PostgreSQL can hand back to a consumer: keep "
             "the payload elsewhere (a table, object storage) and send a reference to it"
         )
     return Outgoing(
