@@ -132,8 +132,13 @@ class _Commands(click.Group):
         try:
             return super().invoke(ctx)
         except psycopg.OperationalError as exc:
+            # only a connection that failed; a statement's error (a timeout, a deadlock,
+            # a read-only server) keeps its own words and traceback
+            if exc.sqlstate is not None and not exc.sqlstate.startswith("08"):
+                raise
             where = ctx.obj.app.connection_for_write().as_uri() if ctx.obj else "the broker"
-            reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else repr(exc)
+            lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+            reason = " ".join(lines).removeprefix("connection failed: ") or repr(exc)
             raise click.ClickException(
                 f"cannot reach the broker's database ({where}): {reason}"
             ) from exc
@@ -206,17 +211,37 @@ def purge(ctx: click.Context, queue_names: tuple[str, ...], yes: bool) -> None:
 @pgqueue.command()
 @click.argument("queue_names", nargs=-1, required=True)
 @click.option("--yes", is_flag=True, help="do not ask")
+@click.option("--force", is_flag=True, help="delete a queue that a consumer uses too")
 @click.pass_context
-def delete(ctx: click.Context, queue_names: tuple[str, ...], yes: bool) -> None:
-    """Delete QUEUE...: the declaration, bindings and every message, leased ones too
-    (dead letters stay; a worker that still consumes one declares it again)."""
+def delete(ctx: click.Context, queue_names: tuple[str, ...], yes: bool, force: bool) -> None:
+    """Delete QUEUE...: the declaration, bindings and every message (dead letters stay).
+
+    A queue that a consumer uses (holds one of its messages, or waits for it) is left
+    alone unless --force. Stop the queue's publishers and workers first: a publisher that
+    declared it before sends to it through an exchange that no longer routes there, and
+    those messages are dropped as unroutable until it restarts."""
     if not yes:
         click.confirm(
-            f"Delete {', '.join(queue_names)} with every message, in flight too?", abort=True
+            f"Delete {', '.join(queue_names)} with every message"
+            f"{', in flight too' if force else ''}? Publishers still running drop what "
+            "they send to it",
+            abort=True,
         )
-    _each_queue(
-        ctx, queue_names, lambda broker, name: f"deleted with {broker.delete_queue(name)} messages"
-    )
+    in_use: list[str] = []
+
+    def act(broker: admin.Broker, name: str) -> str:
+        deleted = broker.delete_queue(name, if_unused=not force)
+        if deleted is None:
+            in_use.append(name)
+            return (
+                "not deleted: a consumer uses it (holds one of its messages, or waits for "
+                "it); stop its workers first, or --force"
+            )
+        return f"deleted with {deleted} messages"
+
+    _each_queue(ctx, queue_names, act)
+    if in_use:
+        raise click.exceptions.Exit(1)
 
 
 def _each_queue(

@@ -288,9 +288,14 @@ class Store(Connected):
         row = self._one("queue_exists", {"queue": queue})
         return bool(row and row[0])
 
-    def delete_queue(self, queue: str) -> int:
-        row = self._one("delete_queue", {"queue": queue})
-        return int(row[0]) if row else 0
+    def delete_queue(
+        self, queue: str, *, if_unused: bool = False, now: datetime | None = None
+    ) -> int | None:
+        params = {"queue": queue, "if_unused": if_unused, "now": now}
+        row = self._one("delete_queue", {**params, "channel": self.options.channel})
+        if row is None:
+            return 0
+        return None if row[0] is None else int(row[0])
 
     def size(self, queue: str, now: datetime | None = None) -> int:
         row = self._one("size", {"queue": queue, "now": now})

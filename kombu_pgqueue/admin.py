@@ -223,12 +223,17 @@ class Broker:
         """Whether ``queue`` was declared or holds messages."""
         return self._store.queue_exists(queue)
 
-    def delete_queue(self, queue: str) -> int:
+    def delete_queue(self, queue: str, *, if_unused: bool = False) -> int | None:
         """Delete ``queue``: its declaration, its bindings and every message in it, those
         consumers hold too (as RabbitMQ's ``queue.delete``); return how many messages.
-        Its dead letters stay. A worker that still consumes it declares it again when it
-        reconnects."""
-        return self._store.delete_queue(queue)
+        Its dead letters stay. With ``if_unused``, delete nothing and return None while a
+        consumer uses it (holds one of its messages, or waits for it).
+
+        Publishers that declared the queue before do not declare it again: what they
+        send through an exchange finds no binding and is dropped as unroutable until
+        they restart (and a worker that still consumes it re-declares it only when it
+        reconnects). Stop the queue's publishers and workers first."""
+        return self._store.delete_queue(queue, if_unused=if_unused)
 
     def purge(self, queue: str) -> int:
         """Delete the waiting messages of ``queue`` (leased ones stay with their

@@ -124,8 +124,9 @@ class Channel(virtual.Channel):
     ) -> int | None:
         if if_empty and self._size(queue):
             return None
-        deleted = self.store.delete_queue(queue)
-        self.state.queue_bindings_delete(queue)
+        deleted = self.store.delete_queue(queue, if_unused=if_unused)
+        if deleted is not None:
+            self.state.queue_bindings_delete(queue)
         return deleted
 
     def _delete(self, queue: str, *args: Any, **kwargs: Any) -> None:

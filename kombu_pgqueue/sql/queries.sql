@@ -676,16 +676,41 @@ SELECT EXISTS (SELECT 1 FROM {schema}.queue WHERE name = %(queue)s)
     OR EXISTS (SELECT 1 FROM {schema}.message WHERE queue = %(queue)s);
 
 -- name: delete_queue :one
-WITH unbound AS (
-    DELETE FROM {schema}.binding WHERE queue = %(queue)s RETURNING queue
+-- The queue, its bindings and every message, those consumers hold too (as RabbitMQ's
+-- queue.delete); how many messages. With %(if_unused)s, nothing while a consumer uses
+-- the queue (it holds a live lease on one of its messages, or waits for it: see
+-- notify_wanted), and NULL.
+WITH used AS MATERIALIZED (
+    SELECT CASE WHEN %(if_unused)s::boolean THEN
+        EXISTS (
+            SELECT 1
+            FROM {schema}.message
+            WHERE queue = %(queue)s
+              AND lease IS NOT NULL
+              AND next_iteration > coalesce(%(now)s::timestamptz, now())
+        )
+        OR {schema}.notify_wanted(%(channel)s, %(queue)s, true)
+    ELSE false END AS used
+),
+unbound AS (
+    DELETE FROM {schema}.binding
+    WHERE queue = %(queue)s
+      AND NOT (SELECT used FROM used)
+    RETURNING queue
 ),
 emptied AS (
-    DELETE FROM {schema}.message WHERE queue = %(queue)s RETURNING id
+    DELETE FROM {schema}.message
+    WHERE queue = %(queue)s
+      AND NOT (SELECT used FROM used)
+    RETURNING id
 ),
 dropped AS (
-    DELETE FROM {schema}.queue WHERE name = %(queue)s RETURNING name
+    DELETE FROM {schema}.queue
+    WHERE name = %(queue)s
+      AND NOT (SELECT used FROM used)
+    RETURNING name
 )
-SELECT (SELECT count(*) FROM emptied);
+SELECT CASE WHEN NOT (SELECT used FROM used) THEN (SELECT count(*) FROM emptied) END;
 
 -- name: size :one
 -- Messages waiting in the queue: ready or delayed, not held by a live lease.

@@ -5,6 +5,7 @@ is checked in the database."""
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -13,10 +14,12 @@ from typing import Any
 
 import psycopg
 import pytest
+from kombu import Consumer, Queue
 from lifecycle_app import create_ledger, make_app, worker_env
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
 from psycopg.rows import dict_row
+from waiting import wait_for
 
 import kombu_pgqueue
 from celery_pgqueue.cli import parse_duration
@@ -105,8 +108,25 @@ def test_migrate_installs_then_reports_current(cli, db, schema):
     )
 
 
-def test_a_database_that_cannot_be_reached_is_one_line_not_a_traceback(dsn, schema):
-    missing = make_conninfo(dsn, dbname="no_such_database_here")
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.mark.parametrize(
+    ("where", "reason"),
+    [
+        ({"dbname": "no_such_database_here"}, 'database "no_such_database_here" does not exist'),
+        # libpq's reason is on the first of its lines, its hint on the second
+        ({"host": "127.0.0.1", "port": "free"}, "Connection refused"),
+    ],
+    ids=["no-such-database", "nothing-listening"],
+)
+def test_a_database_that_cannot_be_reached_is_one_line_not_a_traceback(dsn, schema, where, reason):
+    if where.get("port") == "free":
+        where = {**where, "port": str(_free_port())}
+    missing = make_conninfo(dsn, **where)
     done = subprocess.run(
         [sys.executable, "-m", "celery", "-A", "lifecycle_app", "pgqueue", "queues"],
         cwd=HERE,
@@ -119,7 +139,7 @@ def test_a_database_that_cannot_be_reached_is_one_line_not_a_traceback(dsn, sche
     assert "Traceback" not in done.stderr
     (line,) = done.stderr.strip().splitlines()
     assert line.startswith("Error: cannot reach the broker's database (pgqueue://"), line
-    assert "no_such_database_here" in line
+    assert reason in line
 
 
 def test_queues_counts_ready_delayed_and_dead_per_queue(cli, sent):
@@ -233,20 +253,57 @@ def test_delete_queues(cli, sent, db, schema):
         "UPDATE {table} SET lease = 1, next_iteration = now() + interval '1 hour' "
         "WHERE id = (SELECT min(id) FROM {table} WHERE queue = 'other')"
     ).format(table=sql.Identifier(schema, "message"))
-    db.execute(held)  # one in flight: deleted too, as RabbitMQ's queue.delete does
+    db.execute(held)  # one in flight: a consumer uses the queue
+    bindings = sql.SQL("SELECT count(*) FROM {} WHERE queue = 'other'").format(
+        sql.Identifier(schema, "binding")
+    )
+    assert db.execute(bindings).fetchone() == (1,)
 
-    done = cli("delete", "other", "nothing-here", "--yes", ok=False)
+    refused = cli("delete", "other", "--yes", ok=False)
+
+    assert refused.returncode == 1
+    assert refused.stdout.splitlines() == [
+        "other: not deleted: a consumer uses it (holds one of its messages, or waits for "
+        "it); stop its workers first, or --force"
+    ]
+    assert len(task_ids(rows(db, schema, "message"), "other")) == 2
+    assert db.execute(bindings).fetchone() == (1,)
+
+    done = cli("delete", "other", "nothing-here", "--yes", "--force", ok=False)
 
     assert done.returncode == 1
     assert done.stdout.splitlines() == ["other: deleted with 2 messages"]
     assert done.stderr.strip() == f"nothing-here: no such queue in schema {schema!r}"
     left = rows(db, schema, "message")
-    assert task_ids(left, "other") == []
+    assert task_ids(left, "other") == []  # the one in flight too, as RabbitMQ's queue.delete
     assert task_ids(left) == sent["celery"] + sent["delayed"]
+    assert db.execute(bindings).fetchone() == (0,)
     names = sql.SQL("SELECT name FROM {} ORDER BY name").format(sql.Identifier(schema, "queue"))
     assert "other" not in [name for (name,) in db.execute(names)]
     assert "other" not in [q["queue"] for q in json.loads(cli("queues", "--json").stdout)]
     assert len(rows(db, schema, "dead_letter")) == 2  # dead letters stay
+
+
+def test_delete_leaves_a_queue_an_idle_consumer_waits_for(cli, sent, db, schema, dsn):
+    cli("purge", "other", "--yes")
+    watches = sql.SQL(
+        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND classid = 1885827415"
+    )
+    assert db.execute(watches).fetchone() == (0,)
+    app = make_app(dsn, schema)
+    try:
+        with app.connection_for_write() as conn, Consumer(conn, queues=[Queue("other")]):
+            with pytest.raises(TimeoutError):  # nothing to take: it waits for the queue
+                conn.drain_events(timeout=0.05)
+            wait_for(lambda: db.execute(watches).fetchone() == (1,), 10, "the consumer's watch")
+
+            refused = cli("delete", "other", "--yes", ok=False)
+
+        assert refused.returncode == 1
+        assert refused.stdout.startswith("other: not deleted: a consumer uses it")
+        assert cli("delete", "other", "--yes").stdout.strip() == "other: deleted with 0 messages"
+    finally:
+        app.close()
 
 
 @pytest.fixture
