@@ -28,7 +28,7 @@ from typing import Any
 
 import psycopg
 from celery import signals
-from celery.concurrency import get_implementation
+from celery.concurrency import ALIASES
 from celery.concurrency.solo import TaskPool as SoloPool
 
 from kombu_pgqueue.admin import Broker
@@ -43,9 +43,11 @@ _turned_off: weakref.WeakSet[Any] = weakref.WeakSet()
 
 def blocks_its_loop(pool: Any) -> bool:
     """Whether a worker of pool ``pool`` (a class or Celery's name of one) runs its tasks
-    in its event loop."""
-    found = get_implementation(pool)
-    return isinstance(found, type) and issubclass(found, SoloPool)
+    in its event loop. A name is not imported: Celery imports the pool's module after
+    worker_init, so that a handler there may monkey-patch first (gevent, eventlet)."""
+    if isinstance(pool, str):
+        return bool(ALIASES.get(pool, pool) == ALIASES["solo"])
+    return isinstance(pool, type) and issubclass(pool, SoloPool)
 
 
 def _starting(sender: Any = None, **_: Any) -> None:

@@ -14,8 +14,9 @@ from . import _sql, migrations
 from ._options import DEFAULT_SCHEMA, mask
 from .exceptions import PgQueueError
 
-#: libpq's variables that say which server, database or role to connect to
-_LIBPQ_TARGET = ("PGHOST", "PGHOSTADDR", "PGPORT", "PGDATABASE", "PGUSER", "PGSERVICE")
+#: libpq's variables that name a server or a database (PGUSER or PGPORT alone still
+#: leave libpq to guess: the local socket, a database named as the user)
+_LIBPQ_TARGET = ("PGHOST", "PGHOSTADDR", "PGDATABASE", "PGSERVICE")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -61,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.command == "migrate" and not args.dsn and not any(map(os.getenv, _LIBPQ_TARGET)):
         print(
-            "name the database to migrate: --dsn, $PGQUEUE_DSN or libpq's PGHOST/PGDATABASE "
+            "name the database to migrate: --dsn, $PGQUEUE_DSN or libpq's PGHOST, "
+            "PGHOSTADDR, PGDATABASE or PGSERVICE "
             "(without any, libpq would connect to its default database, on this machine's "
             "socket, as this user)",
             file=sys.stderr,

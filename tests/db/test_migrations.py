@@ -236,7 +236,11 @@ def test_the_migrate_command_takes_a_broker_url(
     assert "applied" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize(
+    "partial", [{}, {"PGUSER": "postgres", "PGPORT": "5432"}], ids=["nothing", "user-and-port"]
+)
 def test_the_migrate_command_refuses_to_guess_the_database(
+    partial: dict[str, str],
     dsn: str,
     schema: str,
     db: psycopg.Connection,
@@ -249,6 +253,8 @@ def test_the_migrate_command_refuses_to_guess_the_database(
     for name in ("PGQUEUE_DSN", "PGHOST", "PGHOSTADDR", "PGPORT", "PGDATABASE", "PGUSER",
                  "PGSERVICE"):  # fmt: skip
         monkeypatch.delenv(name, raising=False)
+    for name, value in partial.items():  # a role and a port still leave libpq to guess
+        monkeypatch.setenv(name, value)
     assert main(["--schema", schema, "migrate"]) == 2
     assert "name the database to migrate" in capsys.readouterr().err
     assert not _schema_exists(db, schema)
