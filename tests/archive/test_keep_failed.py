@@ -270,3 +270,26 @@ def test_eager_calls_are_not_kept(threads_app, broker):
 
     assert result.state == "FAILURE"
     assert broker.dead_letters(limit=None) == []
+
+
+def test_a_failed_task_handed_off_to_an_idle_worker_is_kept_as_it_was_sent(
+    client, broker, spawn, db, schema
+):
+    """A claim and a handoff add their own keys to the delivery (pgqueue_id, attempts,
+    pgqueue_handoff ...); the letter keeps what the publisher sent, whichever brought it."""
+    claimed = client.tasks["archive.charge"].delay("claimed", 1)
+    sent = stored(db, schema)[claimed.id]
+    spawn("idle", concurrency=1)
+    failed(broker, 1)
+    waiters = sql.SQL("SELECT count(*) FROM {} WHERE queue = 'celery'").format(
+        sql.Identifier(schema, "waiter")
+    )
+    # the worker waits for its queue: the next publish is leased to it in its NOTIFY
+    wait_for(lambda: db.execute(waiters).fetchone() == (1,), 30, "the idle worker's waiter row")
+
+    handed = client.tasks["archive.charge"].delay("handed", 1)
+
+    letters = {json.loads(d.headers)["id"]: d for d in failed(broker, 2)}
+    expected = content(sent, naming=False)["properties"]
+    for result in (claimed, handed):
+        assert content(letters[result.id], naming=False)["properties"] == expected
