@@ -16,73 +16,16 @@
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Callable, Sequence
-from datetime import timedelta
 from typing import Any
 
 import click
 import psycopg
 
 from kombu_pgqueue import admin
-from kombu_pgqueue.exceptions import ConfigurationError
 
-from ._kombu import json_loads as _loads
-
-
-def _broker(ctx: click.Context, **overrides: Any) -> admin.Broker:
-    """The app's broker; ``overrides`` replace its transport options."""
-    conn = ctx.obj.app.connection_for_write()
-    try:
-        return admin.Broker.from_connection(conn, **overrides)
-    except ConfigurationError as exc:  # not a pgqueue broker, or a bad transport option
-        raise click.UsageError(str(exc)) from exc
-    finally:
-        conn.release()
-
-
-def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    """Format rows as a plain aligned text table."""
-    cells = [[str(h) for h in headers]] + [["" if v is None else str(v) for v in r] for r in rows]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
-
-
-#: seconds in each unit of a duration
-_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
-_DURATION = re.compile(r"(\d+(?:\.\d+)?)([smhdw])")
-
-
-def parse_duration(text: str) -> timedelta:
-    """``"7d"``, ``"12h"``, ``"1d12h"``, ``"90m"``, ``"30s"``, ``"2w"`` as a timedelta."""
-    spec = text.strip().lower()
-    parts = _DURATION.findall(spec)
-    if not parts or "".join(n + u for n, u in parts) != spec:
-        raise ValueError(
-            f"{text!r} is not a duration: a number and a unit (s, m, h, d, w), e.g. 7d or 1d12h"
-        )
-    return timedelta(seconds=sum(float(n) * _UNITS[u] for n, u in parts))
-
-
-def _duration(ctx: click.Context, param: click.Parameter, value: str | None) -> timedelta | None:
-    """Click callback: a duration option's text as a timedelta."""
-    if value is None:
-        return None
-    try:
-        return parse_duration(value)
-    except ValueError as exc:
-        raise click.BadParameter(str(exc), ctx, param) from exc
-
-
-#: the widest error the dead letter table shows (dead show has it whole)
-_ERROR_WIDTH = 60
-
-
-def _short(error: str | None) -> str:
-    line = (error or "").strip().splitlines()[-1:] or [""]
-    return line[0] if len(line[0]) <= _ERROR_WIDTH else line[0][: _ERROR_WIDTH - 3] + "..."
+from ._cli_common import broker_of, table
+from ._cli_dead import dead, parse_duration
 
 
 def _age(seconds: float | None) -> str:
@@ -93,35 +36,6 @@ def _age(seconds: float | None) -> str:
     if seconds < 7200:
         return f"{seconds / 60:.1f}m"
     return f"{seconds / 3600:.1f}h"
-
-
-def _dead_dict(dead: admin.DeadLetter, *, body: bool = False) -> dict[str, Any]:
-    headers = _loads(dead.headers)
-    found = {
-        "id": dead.id,
-        "queue": dead.queue,
-        "task": headers.get("task"),
-        "task_id": headers.get("id"),
-        "argsrepr": headers.get("argsrepr"),
-        "kwargsrepr": headers.get("kwargsrepr"),
-        "retries": headers.get("retries"),
-        "reason": dead.reason,
-        "error": dead.error,
-        "attempts": dead.attempts,
-        "priority": dead.priority,
-        "created_at": dead.created_at.isoformat(),
-        "died_at": dead.died_at.isoformat(),
-    }
-    if body:
-        found["traceback"] = dead.traceback
-        found["headers"] = headers
-        found["properties"] = _loads(dead.properties)
-        found["content_type"] = dead.content_type
-        try:
-            found["body"] = bytes(dead.body).decode(dead.content_encoding or "utf-8")
-        except (UnicodeDecodeError, LookupError):
-            found["body"] = bytes(dead.body).hex()
-    return found
 
 
 class _Commands(click.Group):
@@ -161,7 +75,7 @@ def where(conninfo: str) -> str:
 @click.pass_context
 def migrate(ctx: click.Context) -> None:
     """Install or upgrade the broker schema."""
-    broker = _broker(ctx)
+    broker = broker_of(ctx)
     applied = broker.migrate()
     done = ", ".join(map(str, applied)) or "nothing (already current)"
     click.echo(f"schema {broker.schema!r} in {where(broker.conninfo)}: applied {done}")
@@ -172,7 +86,7 @@ def migrate(ctx: click.Context) -> None:
 @click.pass_context
 def queues(ctx: click.Context, as_json: bool) -> None:
     """Per queue: ready, delayed (ETA), leased (in flight), dead, oldest ready age."""
-    stats = _broker(ctx).queue_stats()
+    stats = broker_of(ctx).queue_stats()
     if as_json:
         click.echo(
             json.dumps(
@@ -208,6 +122,13 @@ def purge(ctx: click.Context, queue_names: tuple[str, ...], yes: bool) -> None:
     _each_queue(ctx, queue_names, lambda broker, name: f"purged {broker.purge(name)} messages")
 
 
+#: what ``delete`` says of a queue that a consumer uses
+IN_USE = (
+    "not deleted: a consumer uses it (holds one of its messages, or waits for it); stop its "
+    "workers first, or --force"
+)
+
+
 @pgqueue.command()
 @click.argument("queue_names", nargs=-1, required=True)
 @click.option("--yes", is_flag=True, help="do not ask")
@@ -227,144 +148,34 @@ def delete(ctx: click.Context, queue_names: tuple[str, ...], yes: bool, force: b
             "they send to it",
             abort=True,
         )
-    in_use: list[str] = []
 
-    def act(broker: admin.Broker, name: str) -> str:
+    def act(broker: admin.Broker, name: str) -> str | None:
         deleted = broker.delete_queue(name, if_unused=not force)
-        if deleted is None:
-            in_use.append(name)
-            return (
-                "not deleted: a consumer uses it (holds one of its messages, or waits for "
-                "it); stop its workers first, or --force"
-            )
-        return f"deleted with {deleted} messages"
+        return None if deleted is None else f"deleted with {deleted} messages"
 
-    _each_queue(ctx, queue_names, act)
-    if in_use:
-        raise click.exceptions.Exit(1)
+    _each_queue(ctx, queue_names, act, refused=IN_USE)
 
 
 def _each_queue(
-    ctx: click.Context, queue_names: Sequence[str], act: Callable[[admin.Broker, str], str]
+    ctx: click.Context,
+    queue_names: Sequence[str],
+    act: Callable[[admin.Broker, str], str | None],
+    refused: str = "",
 ) -> None:
-    """``act`` on each queue that exists, a line for each; exit 1 if one does not."""
-    broker = _broker(ctx)
-    unknown = [name for name in queue_names if not broker.queue_exists(name)]
+    """``act`` on each queue that exists, a line for each (``refused`` where ``act``
+    returns None); exit 1 if a queue does not exist or was refused."""
+    broker = broker_of(ctx)
+    failed = False
     for name in queue_names:
-        if name in unknown:
+        if not broker.queue_exists(name):
             click.echo(f"{name}: no such queue in schema {broker.schema!r}", err=True)
-        else:
-            click.echo(f"{name}: {act(broker, name)}")
-    if unknown:
+            failed = True
+            continue
+        said = act(broker, name)
+        failed = failed or said is None
+        click.echo(f"{name}: {refused if said is None else said}")
+    if failed:
         raise click.exceptions.Exit(1)
-
-
-@pgqueue.group()
-def dead() -> None:
-    """Dead letters: rejected messages, messages out of attempts and, with the setting
-    pgqueue_keep_failed, tasks that failed for good (reason failed)."""
-
-
-_REASON = click.option(
-    "--reason",
-    default=None,
-    help="only this reason: failed, rejected, max_attempts, consumer_error, undecodable, ...",
-)
-
-
-@dead.command("list")
-@click.option("--queue", default=None, help="only this queue")
-@_REASON
-@click.option("--limit", default=50, show_default=True)
-@click.option("--json", "as_json", is_flag=True, help="print JSON for scripts")
-@click.pass_context
-def dead_list(
-    ctx: click.Context, queue: str | None, reason: str | None, limit: int, as_json: bool
-) -> None:
-    """List dead letters, oldest first."""
-    found = [_dead_dict(d) for d in _broker(ctx).dead_letters(queue, limit, reason=reason)]
-    if as_json:
-        click.echo(json.dumps(found, indent=2))
-        return
-    keys = ("id", "queue", "task", "task_id", "reason", "attempts", "died_at")
-    rows = [[d[k] for k in keys] + [_short(d["error"])] for d in found]
-    click.echo(table((*keys, "error"), rows))
-
-
-@dead.command("show")
-@click.argument("message_id", type=int)
-@click.pass_context
-def dead_show(ctx: click.Context, message_id: int) -> None:
-    """Show one dead letter in full (traceback, headers, properties, body)."""
-    found = _broker(ctx).dead_letter(message_id)
-    if found is None:
-        raise click.ClickException(f"no dead letter with id {message_id}")
-    click.echo(json.dumps(_dead_dict(found, body=True), indent=2, default=str))
-
-
-@dead.command("requeue")
-@click.argument("message_ids", nargs=-1, type=int)
-@click.option(
-    "--all", "everything", is_flag=True, help="every dead letter (of --queue, of --reason)"
-)
-@click.option("--queue", default=None)
-@_REASON
-@click.pass_context
-def dead_requeue(
-    ctx: click.Context,
-    message_ids: tuple[int, ...],
-    everything: bool,
-    queue: str | None,
-    reason: str | None,
-) -> None:
-    """Put dead letters back in their queues, with their attempts reset. A task runs
-    again with its task id, so its result is overwritten."""
-    if not message_ids and not everything:
-        raise click.UsageError("name dead letter ids, or pass --all")
-    broker = _broker(ctx)
-    ids = list(message_ids)
-    if everything:
-        ids = [d.id for d in broker.dead_letters(queue, limit=None, reason=reason)]
-    queues_hit = broker.requeue_dead(ids)
-    # a letter whose dedup key a live message holds stays dead rather than run twice
-    asked = set(ids)
-    stayed = [d.id for d in broker.dead_letters(queue, limit=None) if d.id in asked]
-    done = len(ids) - len(stayed)
-    line = f"requeued {done} dead letters into {', '.join(queues_hit) or 'no queue'}"
-    if stayed:
-        line += f"; {len(stayed)} stayed dead, their dedup key is taken: {stayed}"
-    click.echo(line)
-
-
-@dead.command("purge")
-@click.option("--queue", default=None)
-@_REASON
-@click.option(
-    "--older-than",
-    default=None,
-    metavar="DURATION",
-    callback=_duration,
-    help="only those dead for longer than this: 30m, 12h, 7d, 2w, 1d12h",
-)
-@click.option("--yes", is_flag=True, help="do not ask")
-@click.pass_context
-def dead_purge(
-    ctx: click.Context,
-    queue: str | None,
-    reason: str | None,
-    older_than: timedelta | None,
-    yes: bool,
-) -> None:
-    """Delete dead letters for good."""
-    if not yes:
-        which = f"the dead letters of {queue or 'every queue'}"
-        if reason:
-            which += f" with reason {reason}"
-        if older_than is not None:
-            which += f" that died over {older_than} ago"
-        click.confirm(f"Delete {which} for good?", abort=True)
-    deleted = _broker(ctx).purge_dead(queue, reason=reason, older_than=older_than)
-    click.echo(f"deleted {deleted} dead letters")
 
 
 @pgqueue.command()
@@ -398,4 +209,9 @@ def metrics(
     overrides: dict[str, Any] = {"auto_migrate": False, "pool_max_size": 2}
     if schema:
         overrides["schema"] = schema
-    serve_forever(_broker(ctx, **overrides).monitor(cap=cap), port, addr, interval)
+    serve_forever(broker_of(ctx, **overrides).monitor(cap=cap), port, addr, interval)
+
+
+pgqueue.add_command(dead)
+
+__all__ = ["dead", "parse_duration", "pgqueue", "table"]
