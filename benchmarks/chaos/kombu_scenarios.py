@@ -62,15 +62,17 @@ def consumer(
     claims: dict[int, list[float]] = defaultdict(list)
     e2e: dict[int, list[float]] = defaultdict(list)
     seen: list[tuple[int, int]] = []
-    fetch = channel.fetch
+    # the transport's consumer claims with fetch() when drain_events() runs without an
+    # event loop, as here
+    fetch = channel.consumer.fetch
 
-    def timed_fetch(queue: str, limit: int) -> list[Any]:
+    def timed_fetch(queue: str, limit: int, no_ack: bool, sink: Any) -> list[Any]:
         begun = time.perf_counter()
-        rows = fetch(queue, limit)
+        rows = fetch(queue, limit, no_ack, sink)
         _keep(claims[int((time.time() - t0) // BUCKET)], time.perf_counter() - begun, rng)
         return rows
 
-    channel.fetch = timed_fetch  # instrumentation of this process's channel only
+    channel.consumer.fetch = timed_fetch  # instrumentation of this process's consumer only
 
     def on_message(body: Any, message: Any) -> None:
         now = time.time()
