@@ -142,6 +142,10 @@ def dead_requeue(
         raise click.UsageError("name dead letter ids, or pass --all")
     broker = broker_of(ctx)
     ids = list(message_ids)
+    unknown = [i for i in dict.fromkeys(ids) if broker.dead_letter(i) is None]
+    for i in unknown:  # a mistyped id is not a success
+        click.echo(f"no dead letter with id {i}", err=True)
+    ids = [i for i in ids if i not in unknown]
     if everything:
         ids = [d.id for d in broker.dead_letters(queue, limit=None, reason=reason)]
     queues_hit = broker.requeue_dead(ids)
@@ -153,6 +157,8 @@ def dead_requeue(
     if stayed:
         line += f"; {len(stayed)} stayed dead, their dedup key is taken: {stayed}"
     click.echo(line)
+    if unknown:
+        raise click.exceptions.Exit(1)
 
 
 @dead.command("purge")

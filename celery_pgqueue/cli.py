@@ -23,6 +23,7 @@ import click
 import psycopg
 
 from kombu_pgqueue import admin
+from kombu_pgqueue.exceptions import PgQueueError
 
 from ._cli_common import broker_of, table
 from ._cli_dead import dead, parse_duration
@@ -40,11 +41,14 @@ def _age(seconds: float | None) -> str:
 
 class _Commands(click.Group):
     """The commands, each ending in one line when the broker's database cannot be reached
-    (instead of psycopg's traceback)."""
+    or pgqueue says what is wrong (a schema not installed, a privilege missing), instead
+    of a traceback."""
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
+        except PgQueueError as exc:  # says what is wrong and what to do, in one line
+            raise click.ClickException(str(exc)) from exc
         except psycopg.OperationalError as exc:
             # only a connection that failed; a statement's error (a timeout, a deadlock,
             # a read-only server) keeps its own words and traceback

@@ -92,6 +92,16 @@ def task_ids(found: list[dict[str, Any]], queue: str | None = None) -> list[str]
     return [r["task_id"] for r in found if queue is None or r["queue"] == queue]
 
 
+def test_a_schema_not_installed_is_one_line_not_a_traceback(cli, db, schema):
+    done = cli("queues", ok=False, auto_migrate="false")
+
+    assert done.returncode == 1
+    assert "Traceback" not in done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith("Error: "), line
+    assert "migrate" in line  # SchemaError names the command to run
+
+
 def test_migrate_installs_then_reports_current(cli, db, schema):
     latest = migrations.latest_version()
     done = cli("migrate", auto_migrate="false")
@@ -200,8 +210,11 @@ def test_dead_list_and_show(cli, sent, db, schema):
 def test_dead_requeue_one_then_all(cli, sent, db, schema):
     first, second = (r["id"] for r in rows(db, schema, "dead_letter"))
 
-    done = cli("dead", "requeue", str(first))
+    missing = max(first, second) + 1000
+    done = cli("dead", "requeue", str(first), str(missing), ok=False)
+    assert done.returncode == 1  # a mistyped id is not a success
     assert done.stdout.strip() == "requeued 1 dead letters into doomed"
+    assert done.stderr.strip() == f"no dead letter with id {missing}"
     assert [r["id"] for r in rows(db, schema, "dead_letter")] == [second]
     back = [r for r in rows(db, schema, "message") if r["queue"] == "doomed"]
     assert [(r["task_id"], r["attempts"], r["lease"]) for r in back] == [
