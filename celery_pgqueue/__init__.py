@@ -28,6 +28,7 @@ from . import (
     _worker,  # noqa: F401 - connects its worker_init receiver
     archive,
 )
+from ._worker import SchemaFirst
 from .atomic import AtomicTask
 
 __all__ = ["AtomicTask", "__version__", "broker_url", "configure", "result_backend_url"]
@@ -106,6 +107,9 @@ def configure(
     if results:
         conf.result_backend = result_backend_url(_results_conninfo(dsn, transport_options))
         conf.result_extended = True
+        # result tables placed in the broker's schema: that schema first (see _worker)
+        if not isinstance(conf.database_engine_callback, SchemaFirst):
+            conf.database_engine_callback = SchemaFirst(app, conf.database_engine_callback)
     if keep_failed is not None:
         conf[archive.SETTING] = keep_failed
 

@@ -15,6 +15,11 @@
   consumer, and publishes hand messages to workers of other pools. An app that sets
   ``handoff`` itself keeps its choice.
 
+A process that publishes before any worker ran (a web app) creates Celery's result tables
+as its backend is made, at its first ``delay()``, also before its broker's first
+statement: :func:`configure` sets ``database_engine_callback`` to :class:`SchemaFirst`,
+which installs the broker's schema as the backend's first engine is made.
+
 Every ``celery`` command imports this package (its ``celery pgqueue`` command is an
 entry point), so the receivers are connected in every worker started from the command
 line; a worker started from Python connects them by importing ``celery_pgqueue``.
@@ -30,6 +35,7 @@ import psycopg
 from celery import signals
 from celery.concurrency import ALIASES
 from celery.concurrency.solo import TaskPool as SoloPool
+from kombu.utils.imports import symbol_by_name
 
 from kombu_pgqueue.admin import Broker
 from kombu_pgqueue.exceptions import ConfigurationError, PgQueueError
@@ -76,6 +82,36 @@ def _schema_first(app: Any, broker: Broker) -> None:
         # not reachable yet, or not this role's to install: the worker's own connection
         # retries and errors say what is wrong
         logger.debug("pgqueue: could not install schema %r before startup: %r", broker.schema, exc)
+
+
+class SchemaFirst:
+    """Celery's ``database_engine_callback``: before the result backend's first engine
+    creates its tables, install the broker's schema if they go there (once a process),
+    then call the callback the app had (``previous``)."""
+
+    def __init__(self, app: Any, previous: Any = None) -> None:
+        self.app = app
+        self.previous = previous
+        self.done = False
+
+    def __repr__(self) -> str:
+        return f"<celery_pgqueue SchemaFirst, then {self.previous!r}>"
+
+    def __call__(self, engine: Any) -> None:
+        if not self.done:
+            with self.app.connection_for_write() as connection:
+                try:
+                    broker = Broker.from_connection(connection)
+                except ConfigurationError:
+                    broker = None  # not a pgqueue broker (any more): nothing to install
+            if broker is not None:
+                _schema_first(self.app, broker)
+            self.done = True
+        previous = self.previous
+        if isinstance(previous, str):
+            previous = self.previous = symbol_by_name(previous)
+        if previous is not None:
+            previous(engine)
 
 
 def _no_handoffs_to_a_blocking_loop(app: Any, pool: Any) -> None:

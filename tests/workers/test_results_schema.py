@@ -1,4 +1,5 @@
-"""A worker whose result tables go to its broker's schema starts on an empty database.
+"""A worker, or a publisher, whose result tables go to its broker's schema starts on an
+empty database.
 
 Celery creates its result tables as the worker starts (``database_create_tables_at_setup``),
 before the broker's first connection would install the broker's schema: the tables'
@@ -43,3 +44,22 @@ def test_results_in_the_broker_schema_on_an_empty_database(
             app.close()
     stored = sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(schema, "celery_taskmeta"))
     assert db.execute(stored).fetchone() == (1,)
+
+
+def test_a_publisher_first_with_results_in_the_broker_schema_on_an_empty_database(
+    dsn: str, schema: str, db: psycopg.Connection
+) -> None:
+    """A web app publishes before any worker ran: Celery makes its result backend, and
+    creates its tables, at the first send_task, before the broker's first statement."""
+    exists = "SELECT count(*) FROM pg_namespace WHERE nspname = %s"
+    assert db.execute(exists, (schema,)).fetchone() == (0,)
+    app = make_app(dsn, schema)
+    try:
+        sent = app.send_task("results.add", (2, 3))
+        assert sent.state == "PENDING"  # read from the result tables
+    finally:
+        app.close()
+    waiting = sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(schema, "message"))
+    assert db.execute(waiting).fetchone() == (1,)
+    tables = "SELECT count(*) FROM pg_tables WHERE schemaname = %s AND tablename LIKE 'celery_%%'"
+    assert db.execute(tables, (schema,)).fetchone() == (2,)
