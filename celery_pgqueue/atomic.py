@@ -181,7 +181,11 @@ class _Attempt:
     def _begin(self) -> Transaction:
         transaction = self.database.begin(self.fence)
         try:
-            self.enlisted = self.fence.enlist(transaction.handle, check=self.database.checks)
+            self.enlisted = self.fence.enlist(
+                transaction.handle,
+                check=self.database.checks,
+                source=f"task {self.task.name}'s atomic_db ({type(self.database).__name__})",
+            )
             self._enlisted = ExitStack()
             self._enlisted.enter_context(transactions.transaction(transaction.handle))
         except BaseException:

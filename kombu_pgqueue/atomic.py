@@ -57,6 +57,12 @@ __all__ = [
 ]
 
 
+#: what to do about an atomic task's connection to another database
+_POINT_IT = (
+    "Point it at the broker's database: the task's writes and its ack commit in one transaction."
+)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Delivery:
     """One delivery of a message: its row's id and the lease that fences its ack."""
@@ -136,16 +142,17 @@ class Fence:
             self._database = Database.from_row(row)
         return self._database
 
-    def enlist(self, conn: Any, *, check: bool = True) -> Enlisted:
+    def enlist(self, conn: Any, *, check: bool = True, source: str = "") -> Enlisted:
         """Statements through ``conn``'s transaction, once ``conn`` is known to reach the
         broker's database (unless ``check`` is False: a connection opened from
-        :attr:`conninfo`). Raises :class:`ConfigurationError` naming both databases."""
+        :attr:`conninfo`). Raises :class:`ConfigurationError` naming both databases, and
+        ``source``, what gave ``conn`` (an atomic task's ``atomic_db``)."""
         enlisted = enlist(conn)
         if check:
+            named = {"given": f"{source} gave a connection", "remedy": _POINT_IT} if source else {}
             with self._translated("database_identity"):
-                enlisted._check_database(
-                    self.schema, self._q["database_identity"], self.broker_database
-                )
+                identity = self._q["database_identity"]
+                enlisted._check_database(self.schema, identity, self.broker_database, **named)
         return enlisted
 
     def ack(self, enlisted: Enlisted, delivery: Delivery) -> bool:

@@ -147,7 +147,16 @@ class Enlisted:
         return self._run(query, params)
 
     def _check_database(
-        self, schema: str, identity: sql.Composed | sql.SQL, broker: BrokerDatabase
+        self,
+        schema: str,
+        identity: sql.Composed | sql.SQL,
+        broker: BrokerDatabase,
+        *,
+        given: str = "transaction() was given a connection",
+        remedy: str = (
+            "Pass a connection to the broker's database, or publish after commit instead "
+            "(Django: transaction.on_commit)."
+        ),
     ) -> None:
         here, there = self._database(identity), broker()
         if here.same(there):
@@ -157,11 +166,9 @@ class Enlisted:
         here, there = self._database(identity, fresh=True), broker(fresh=True)
         if not here.same(there):
             raise ConfigurationError(
-                f"transaction() was given a connection to {here}, but the broker's pgqueue "
-                f"schema {schema!r} is in {there}. A transaction cannot span two "
-                "databases, and the message would be written where no consumer of this "
-                "broker looks. Pass a connection to the broker's database, or publish "
-                "after commit instead (Django: transaction.on_commit)."
+                f"{given} to {here}, but the broker's pgqueue schema {schema!r} is in "
+                f"{there}. A transaction cannot span two databases, and the message would "
+                f"be written where no consumer of this broker looks. {remedy}"
             )
 
     def _database(self, identity: sql.Composed | sql.SQL, *, fresh: bool = False) -> Database:

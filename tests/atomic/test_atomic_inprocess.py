@@ -121,8 +121,13 @@ def test_another_database_is_refused_at_first_use(app, tables, worker, db, other
 
     try:
         with worker():
-            with pytest.raises(ConfigurationError, match="cannot span two databases"):
+            with pytest.raises(ConfigurationError, match="cannot span two databases") as raised:
                 elsewhere.delay().get(timeout=30)
+            # it names what gave the connection, not transaction(), which the user never called
+            assert str(raised.value).startswith(
+                "task ip.away's atomic_db (SQLAlchemy) gave a connection to "
+            )
+            assert "Point it at the broker's database" in str(raised.value)
     finally:
         engine.dispose()
 
