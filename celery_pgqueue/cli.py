@@ -3,6 +3,7 @@
 ::
 
     celery -A proj pgqueue migrate
+    celery -A proj pgqueue version
     celery -A proj pgqueue queues [--json]
     celery -A proj pgqueue dead list [--queue Q] [--reason R] [--limit N] [--json]
     celery -A proj pgqueue dead show ID
@@ -24,6 +25,7 @@ import psycopg
 
 from kombu_pgqueue import admin
 from kombu_pgqueue.exceptions import PgQueueError
+from kombu_pgqueue.migrations import latest_version
 
 from ._cli_common import broker_of, table
 from ._cli_dead import dead, parse_duration
@@ -83,6 +85,24 @@ def migrate(ctx: click.Context) -> None:
     applied = broker.migrate()
     done = ", ".join(map(str, applied)) or "nothing (already current)"
     click.echo(f"schema {broker.schema!r} in {where(broker.conninfo)}: applied {done}")
+
+
+@pgqueue.command()
+@click.pass_context
+def version(ctx: click.Context) -> None:
+    """The broker schema's version against this code's; exit 1 unless they match."""
+    broker = broker_of(ctx, auto_migrate=False)
+    have, need = broker.schema_version(), latest_version()
+    said = f"version {have}, current"
+    if have != need:
+        said = (
+            f"version {have}, newer than this code ({need}): upgrade kombu-pgqueue"
+            if have > need
+            else f"version {have}, code needs {need}: run celery pgqueue migrate"
+        )
+    click.echo(f"schema {broker.schema!r} in {where(broker.conninfo)}: {said}")
+    if have != need:
+        raise click.exceptions.Exit(1)
 
 
 @pgqueue.command()

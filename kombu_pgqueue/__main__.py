@@ -47,7 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     sub.add_parser("migrate", parents=[common], help="install or upgrade the broker schema")
     sub.add_parser(
-        "version", parents=[common], help="print the schema's version and the one this code needs"
+        "version",
+        parents=[common],
+        help="print the schema's version against the code's; exit 1 unless they match",
     )
     sub.add_parser(
         "sql", parents=[common], help="print the migrations' SQL for the schema, to apply by hand"
@@ -84,9 +86,7 @@ def main(argv: list[str] | None = None) -> int:
                 done = ", ".join(map(str, applied)) or "nothing (already current)"
                 print(f"{where} as {info.user}: applied {done}")
             else:
-                have = migrations.current_version(conn, args.schema)
-                need = migrations.latest_version()
-                print(f"{where}: version {have}, code needs {need}")
+                return _version(where, migrations.current_version(conn, args.schema))
     except psycopg.errors.ReadOnlySqlTransaction as exc:
         print(
             f"{mask(args.dsn) or 'the default database'} is read-only ({exc.diag.message_primary}):"
@@ -104,6 +104,23 @@ def main(argv: list[str] | None = None) -> int:
         print(str(exc), file=sys.stderr)
         return 3
     return 0
+
+
+def _version(where: str, have: int) -> int:
+    """Say the schema's version against the code's; 0 when they match, else 1 (scripts
+    can wait on it, as `migrate` would be needed)."""
+    need = migrations.latest_version()
+    if have == need:
+        print(f"{where}: version {have}, current")
+        return 0
+    if have == 0:
+        said = f"not installed, code needs {need}: run python -m kombu_pgqueue migrate"
+    elif have < need:
+        said = f"version {have}, code needs {need}: run python -m kombu_pgqueue migrate"
+    else:
+        said = f"version {have}, newer than this code ({need}): upgrade kombu-pgqueue"
+    print(f"{where}: {said}")
+    return 1
 
 
 if __name__ == "__main__":

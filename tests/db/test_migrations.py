@@ -258,3 +258,30 @@ def test_the_migrate_command_refuses_to_guess_the_database(
     assert main(["--schema", schema, "migrate"]) == 2
     assert "name the database to migrate" in capsys.readouterr().err
     assert not _schema_exists(db, schema)
+
+
+def test_the_version_command_says_what_to_do_and_fails_unless_current(
+    dsn: str, schema: str, db: psycopg.Connection, capsys: pytest.CaptureFixture[str]
+) -> None:
+    latest = latest_version()
+    assert main(["--dsn", dsn, "--schema", schema, "version"]) == 1
+    assert (
+        capsys.readouterr()
+        .out.rstrip()
+        .endswith(f": not installed, code needs {latest}: run python -m kombu_pgqueue migrate")
+    )
+
+    migrate(dsn, schema)
+    assert main(["--dsn", dsn, "--schema", schema, "version"]) == 0
+    assert capsys.readouterr().out.rstrip().endswith(f": version {latest}, current")
+
+    newer = sql.SQL("INSERT INTO {} (version, name) VALUES (%s, 'later')").format(
+        sql.Identifier(schema, "schema_migration")
+    )
+    db.execute(newer, (latest + 1,))  # a later release migrated it
+    assert main(["--dsn", dsn, "--schema", schema, "version"]) == 1
+    assert (
+        capsys.readouterr()
+        .out.rstrip()
+        .endswith(f": version {latest + 1}, newer than this code ({latest}): upgrade kombu-pgqueue")
+    )

@@ -102,6 +102,19 @@ def test_a_schema_not_installed_is_one_line_not_a_traceback(cli, db, schema):
     assert "migrate" in line  # SchemaError names the command to run
 
 
+def test_version_before_and_after_migrate(cli, db, schema):
+    latest = kombu_pgqueue.migrations.latest_version()
+    before = cli("version", ok=False)
+    assert before.returncode == 1
+    assert before.stdout.strip().endswith(
+        f": version 0, code needs {latest}: run celery pgqueue migrate"
+    )
+    assert not db.execute("SELECT 1 FROM pg_namespace WHERE nspname = %s", (schema,)).fetchone()
+
+    cli("migrate")
+    assert cli("version").stdout.strip().endswith(f": version {latest}, current")
+
+
 def test_migrate_installs_then_reports_current(cli, db, schema):
     latest = migrations.latest_version()
     done = cli("migrate", auto_migrate="false")
