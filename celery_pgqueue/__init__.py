@@ -108,8 +108,10 @@ def configure(
         conf.result_backend = result_backend_url(_results_conninfo(dsn, transport_options))
         conf.result_extended = True
         # result tables placed in the broker's schema: that schema first (see _worker)
-        if not isinstance(conf.database_engine_callback, SchemaFirst):
-            conf.database_engine_callback = SchemaFirst(app, conf.database_engine_callback)
+        found = conf.database_engine_callback
+        if isinstance(found, SchemaFirst):  # configured again, or conf copied from an app
+            found = found.previous
+        conf.database_engine_callback = SchemaFirst(app, found)
     if keep_failed is not None:
         conf[archive.SETTING] = keep_failed
 

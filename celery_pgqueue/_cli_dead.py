@@ -142,7 +142,8 @@ def dead_requeue(
         raise click.UsageError("name dead letter ids, or pass --all")
     broker = broker_of(ctx)
     ids = list(message_ids)
-    unknown = [i for i in dict.fromkeys(ids) if broker.dead_letter(i) is None]
+    # --all takes the letters as they are; named ones are looked up (a round trip each)
+    unknown = [] if everything else [i for i in dict.fromkeys(ids) if not broker.dead_letter(i)]
     for i in unknown:  # a mistyped id is not a success
         click.echo(f"no dead letter with id {i}", err=True)
     ids = [i for i in ids if i not in unknown]

@@ -51,8 +51,9 @@ def blocks_its_loop(pool: Any) -> bool:
     """Whether a worker of pool ``pool`` (a class or Celery's name of one) runs its tasks
     in its event loop. A name is not imported: Celery imports the pool's module after
     worker_init, so that a handler there may monkey-patch first (gevent, eventlet)."""
-    if isinstance(pool, str):
-        return bool(ALIASES.get(pool, pool) == ALIASES["solo"])
+    if isinstance(pool, str):  # an alias, or a path (module:Class or module.Class)
+        path = str(ALIASES.get(pool, pool)).replace(":", ".")
+        return path == str(ALIASES["solo"]).replace(":", ".")
     return isinstance(pool, type) and issubclass(pool, SoloPool)
 
 
@@ -72,16 +73,20 @@ def _starting(sender: Any = None, **_: Any) -> None:
     _no_handoffs_to_a_blocking_loop(app, worker.pool_cls)
 
 
-def _schema_first(app: Any, broker: Broker) -> None:
+def _schema_first(app: Any, broker: Broker) -> bool:
+    """Install the broker's schema if Celery's result tables go there; False when the
+    database could not be reached (worth another try), True otherwise."""
     tables = app.conf.database_table_schemas or {}
     if broker.schema not in tables.values() or not broker.options.auto_migrate:
-        return
+        return True
     try:
         broker.ensure_schema()
     except (psycopg.Error, PgQueueError) as exc:
         # not reachable yet, or not this role's to install: the worker's own connection
         # retries and errors say what is wrong
         logger.debug("pgqueue: could not install schema %r before startup: %r", broker.schema, exc)
+        return not isinstance(exc, psycopg.OperationalError)
+    return True
 
 
 class SchemaFirst:
@@ -104,9 +109,8 @@ class SchemaFirst:
                     broker = Broker.from_connection(connection)
                 except ConfigurationError:
                     broker = None  # not a pgqueue broker (any more): nothing to install
-            if broker is not None:
-                _schema_first(self.app, broker)
-            self.done = True
+            # a database not reachable yet: the next engine (Celery's retry) tries again
+            self.done = broker is None or _schema_first(self.app, broker)
         previous = self.previous
         if isinstance(previous, str):
             previous = self.previous = symbol_by_name(previous)

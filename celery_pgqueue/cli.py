@@ -3,7 +3,7 @@
 ::
 
     celery -A proj pgqueue migrate
-    celery -A proj pgqueue version
+    celery -A proj pgqueue version [--check]
     celery -A proj pgqueue queues [--json]
     celery -A proj pgqueue dead list [--queue Q] [--reason R] [--limit N] [--json]
     celery -A proj pgqueue dead show ID
@@ -88,20 +88,20 @@ def migrate(ctx: click.Context) -> None:
 
 
 @pgqueue.command()
+@click.option("--check", is_flag=True, help="exit 1 unless the schema is the code's version")
 @click.pass_context
-def version(ctx: click.Context) -> None:
-    """The broker schema's version against this code's; exit 1 unless they match."""
+def version(ctx: click.Context, check: bool) -> None:
+    """The broker schema's version against this code's, and what to do."""
     broker = broker_of(ctx, auto_migrate=False)
     have, need = broker.schema_version(), latest_version()
     said = f"version {have}, current"
-    if have != need:
-        said = (
-            f"version {have}, newer than this code ({need}): upgrade kombu-pgqueue"
-            if have > need
-            else f"version {have}, code needs {need}: run celery pgqueue migrate"
-        )
+    if have > need:
+        said = f"version {have}, newer than this code ({need}): upgrade kombu-pgqueue"
+    elif have < need:
+        said = "not installed" if have == 0 else f"version {have}"
+        said += f", code needs {need}: run celery -A <app> pgqueue migrate"
     click.echo(f"schema {broker.schema!r} in {where(broker.conninfo)}: {said}")
-    if have != need:
+    if check and have != need:
         raise click.exceptions.Exit(1)
 
 
@@ -162,9 +162,11 @@ def delete(ctx: click.Context, queue_names: tuple[str, ...], yes: bool, force: b
     """Delete QUEUE...: the declaration, bindings and every message (dead letters stay).
 
     A queue that a consumer uses (holds one of its messages, or waits for it) is left
-    alone unless --force. Stop the queue's publishers and workers first: a publisher that
-    declared it before sends to it through an exchange that no longer routes there, and
-    those messages are dropped as unroutable until it restarts."""
+    alone unless --force; a consumer with transport option listen off, or taking
+    messages without acks, is seen only while it holds one. Stop the queue's publishers
+    and workers first: a publisher that declared it before sends to it through an
+    exchange that no longer routes there, and those messages are dropped as unroutable
+    until it restarts."""
     if not yes:
         click.confirm(
             f"Delete {', '.join(queue_names)} with every message"

@@ -46,10 +46,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = _Parser(prog="python -m kombu_pgqueue", parents=[common])
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     sub.add_parser("migrate", parents=[common], help="install or upgrade the broker schema")
-    sub.add_parser(
-        "version",
-        parents=[common],
-        help="print the schema's version against the code's; exit 1 unless they match",
+    versions = sub.add_parser(
+        "version", parents=[common], help="print the schema's version against the code's"
+    )
+    versions.add_argument(
+        "--check", action="store_true", help="exit 1 unless the schema is the code's version"
     )
     sub.add_parser(
         "sql", parents=[common], help="print the migrations' SQL for the schema, to apply by hand"
@@ -86,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
                 done = ", ".join(map(str, applied)) or "nothing (already current)"
                 print(f"{where} as {info.user}: applied {done}")
             else:
-                return _version(where, migrations.current_version(conn, args.schema))
+                current = _version(where, migrations.current_version(conn, args.schema))
+                return 1 if args.check and not current else 0
     except psycopg.errors.ReadOnlySqlTransaction as exc:
         print(
             f"{mask(args.dsn) or 'the default database'} is read-only ({exc.diag.message_primary}):"
@@ -106,13 +108,12 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _version(where: str, have: int) -> int:
-    """Say the schema's version against the code's; 0 when they match, else 1 (scripts
-    can wait on it, as `migrate` would be needed)."""
+def _version(where: str, have: int) -> bool:
+    """Say the schema's version against the code's, and what to do; whether they match."""
     need = migrations.latest_version()
     if have == need:
         print(f"{where}: version {have}, current")
-        return 0
+        return True
     if have == 0:
         said = f"not installed, code needs {need}: run python -m kombu_pgqueue migrate"
     elif have < need:
@@ -120,7 +121,7 @@ def _version(where: str, have: int) -> int:
     else:
         said = f"version {have}, newer than this code ({need}): upgrade kombu-pgqueue"
     print(f"{where}: {said}")
-    return 1
+    return False
 
 
 if __name__ == "__main__":

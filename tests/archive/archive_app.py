@@ -45,7 +45,7 @@ def create_tables(conn: psycopg.Connection, schema: str) -> None:
     conn.execute(
         sql.SQL(
             "CREATE TABLE {} (run bigint GENERATED ALWAYS AS IDENTITY, task_id text, "
-            "label text, retries integer)"
+            "label text, retries integer, handoff boolean)"
         ).format(sql.Identifier(schema, "runs"))
     )
 
@@ -55,6 +55,12 @@ def open_gate(conn: psycopg.Connection, schema: str, name: str) -> None:
         sql.SQL("INSERT INTO {} (name) VALUES (%s)").format(sql.Identifier(schema, "gate")),
         (name,),
     )
+
+
+def _handed_off(request: Any) -> bool:
+    """Whether the run's message came by handoff (docs/lifecycle.md, "Handoff")."""
+    delivery = (getattr(request, "properties", None) or {}).get("delivery_info") or {}
+    return bool(delivery.get("pgqueue_handoff"))
 
 
 def make_app(dsn: str, schema: str, *, keep_failed: bool = True) -> Celery:
@@ -69,10 +75,10 @@ def make_app(dsn: str, schema: str, *, keep_failed: bool = True) -> Celery:
         """Write the run down; fail unless gate ``label`` is open."""
         with psycopg.connect(dsn, autocommit=True) as conn:
             conn.execute(
-                sql.SQL("INSERT INTO {} (task_id, label, retries) VALUES (%s, %s, %s)").format(
-                    sql.Identifier(schema, "runs")
-                ),
-                (task.request.id, label, task.request.retries),
+                sql.SQL(
+                    "INSERT INTO {} (task_id, label, retries, handoff) VALUES (%s, %s, %s, %s)"
+                ).format(sql.Identifier(schema, "runs")),
+                (task.request.id, label, task.request.retries, _handed_off(task.request)),
             )
             gate = sql.SQL("SELECT 1 FROM {} WHERE name = %s").format(
                 sql.Identifier(schema, "gate")

@@ -290,6 +290,8 @@ def test_a_failed_task_handed_off_to_an_idle_worker_is_kept_as_it_was_sent(
     handed = client.tasks["archive.charge"].delay("handed", 1)
 
     letters = {json.loads(d.headers)["id"]: d for d in failed(broker, 2)}
+    came = {r["task_id"]: r["handoff"] for r in table(db, schema, "runs", order="run")}
+    assert came == {claimed.id: False, handed.id: True}  # one of each way
     expected = content(sent, naming=False)["properties"]
     for result in (claimed, handed):
         assert content(letters[result.id], naming=False)["properties"] == expected

@@ -8,6 +8,7 @@ schema did not exist yet, and the worker died at startup (``InvalidSchemaName``)
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
 import psycopg
@@ -15,8 +16,12 @@ import pytest
 from celery_workers import workers
 from lifecycle_app import worker_env
 from psycopg import sql
+from psycopg.conninfo import make_conninfo
 from results_app import make_app
 from waiting import wait_for
+
+import celery_pgqueue
+from celery_pgqueue._worker import SchemaFirst
 
 pytestmark = pytest.mark.celery
 
@@ -63,3 +68,25 @@ def test_a_publisher_first_with_results_in_the_broker_schema_on_an_empty_databas
     assert db.execute(waiting).fetchone() == (1,)
     tables = "SELECT count(*) FROM pg_tables WHERE schemaname = %s AND tablename LIKE 'celery_%%'"
     assert db.execute(tables, (schema,)).fetchone() == (2,)
+
+
+def test_the_schema_is_tried_again_while_the_database_cannot_be_reached(
+    dsn: str, schema: str, db: psycopg.Connection
+) -> None:
+    """A web app's first delay() while its database still starts: Celery makes a new
+    engine at each retry, and the schema is installed once it can be."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        nobody = make_conninfo(dsn, host="127.0.0.1", port=str(sock.getsockname()[1]))
+    app = make_app(nobody, schema)
+    try:
+        first = SchemaFirst(app)
+        first(None)  # nothing listens there: not installed, and not given up
+        assert not first.done
+        celery_pgqueue.configure(app, dsn, schema=schema)  # the database is up
+        first(None)
+        assert first.done
+    finally:
+        app.close()
+    exists = "SELECT count(*) FROM pg_namespace WHERE nspname = %s"
+    assert db.execute(exists, (schema,)).fetchone() == (1,)
