@@ -23,7 +23,7 @@ from . import _errors, _sql, migrations
 from ._options import Options
 
 _lock = threading.Lock()
-_pools: dict[tuple[str, int, int | None], ConnectionPool] = {}
+_pools: dict[tuple[str, int, int | None, float, float], ConnectionPool] = {}
 _migrated: set[tuple[str, str]] = set()
 
 
@@ -95,7 +95,15 @@ def get_pool(conninfo: str, options: Options, *, probe: bool = False) -> Connect
     writes (:class:`~.exceptions.ServerUnavailable` if not). A failed probe discards
     the cached pool, so a failover list or a multi-host URL can lead elsewhere.
     """
-    key = (conninfo, options.pool_max_size, options.prepare_threshold)
+    # everything the pool gives its sessions: a connection with another statement_timeout
+    # must not borrow sessions set up with this one's
+    key = (
+        conninfo,
+        options.pool_max_size,
+        options.prepare_threshold,
+        options.statement_timeout,
+        options.pool_timeout,
+    )
     with _lock:
         pool = _pools.get(key)
         if pool is not None and pool.closed:
