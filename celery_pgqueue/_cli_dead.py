@@ -84,10 +84,14 @@ def dead() -> None:
     pgqueue_keep_failed, tasks that failed for good (reason failed)."""
 
 
+#: why a message is dead (the dead_letter table's reason column)
+REASONS = ("failed", "rejected", "max_attempts", "consumer_error", "undecodable")
+
 _REASON = click.option(
     "--reason",
     default=None,
-    help="only this reason: failed, rejected, max_attempts, consumer_error, undecodable, ...",
+    type=click.Choice(REASONS),
+    help="only dead letters of this reason",
 )
 
 

@@ -235,7 +235,13 @@ def metrics(
     overrides: dict[str, Any] = {"auto_migrate": False, "pool_max_size": 2}
     if schema:
         overrides["schema"] = schema
-    serve_forever(broker_of(ctx, **overrides).monitor(cap=cap), port, addr, interval)
+    try:
+        serve_forever(broker_of(ctx, **overrides).monitor(cap=cap), port, addr, interval)
+    except OSError as exc:  # the port is taken, or the address is not this machine's
+        raise click.ClickException(
+            f"cannot serve metrics on {addr}:{port}: {exc.strerror or exc}; pick another "
+            "--port (0 picks a free one) or --addr"
+        ) from exc
 
 
 pgqueue.add_command(dead)

@@ -72,14 +72,13 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    if args.command == "sql":
-        with psycopg.connect(args.dsn) as conn:
-            for version, slug, text in _sql.migration_files():
-                print(f"-- {version:04d}_{slug}")
-                print(_sql.compose(text, args.schema).as_string(conn))
-        return 0
     try:
         with psycopg.connect(args.dsn, autocommit=True) as conn:
+            if args.command == "sql":
+                for version, slug, text in _sql.migration_files():
+                    print(f"-- {version:04d}_{slug}")
+                    print(_sql.compose(text, args.schema).as_string(conn))
+                return 0
             info = conn.info
             where = f"schema {args.schema!r} in database {info.dbname!r} on {info.host}:{info.port}"
             if args.command == "migrate":
@@ -98,8 +97,10 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     except psycopg.OperationalError as exc:
+        reason = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
         print(
-            f"cannot connect to {mask(args.dsn) or 'the default database'}: {exc}", file=sys.stderr
+            f"cannot connect to {mask(args.dsn) or 'the default database'}: {reason}",
+            file=sys.stderr,
         )
         return 2
     except PgQueueError as exc:

@@ -13,6 +13,7 @@ from typing import Any
 
 import psycopg
 from psycopg import pq
+from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import ConnectionPool, PoolTimeout
 
 from . import _errors, _pool, _sql, transactions
@@ -55,6 +56,8 @@ class Connected:
         self.options = options
         self.schema = options.schema
         self._q = _sql.queries(options.schema)
+        user = conninfo_to_dict(conninfo).get("user")  # who is refused, in errors
+        self._role = f"role {str(user)!r}" if user else "the database role"
         self._pool: ConnectionPool | None = None
         self._pid = os.getpid()
         self._database: transactions.Database | None = None
@@ -125,7 +128,7 @@ class Connected:
     def translated(self, name: str) -> AbstractContextManager[None]:
         """Statement ``name``'s errors as pgqueue's (see :mod:`._errors`)."""
         return _errors.translated(
-            name, self.schema, lambda: _pool.forget_schema(self.conninfo, self.schema)
+            name, self.schema, lambda: _pool.forget_schema(self.conninfo, self.schema), self._role
         )
 
     def _rows(

@@ -23,7 +23,9 @@ MIGRATE_COMMAND = "python -m kombu_pgqueue migrate --dsn <dsn> --schema {schema}
 
 
 @contextmanager
-def translated(name: str, schema: str, forget_schema: Callable[[], None]) -> Iterator[None]:
+def translated(
+    name: str, schema: str, forget_schema: Callable[[], None], role: str = "the database role"
+) -> Iterator[None]:
     """Statement ``name`` on ``schema``: its errors as pgqueue's. ``forget_schema`` is
     called when a table is missing (the schema is checked again on the next connect)."""
     try:
@@ -38,8 +40,10 @@ def translated(name: str, schema: str, forget_schema: Callable[[], None]) -> Ite
         ) from exc
     except errors.InsufficientPrivilege as exc:
         raise PrivilegeError(
-            f"the database role may not run {name!r} on schema {schema!r}: "
-            f"{exc.diag.message_primary}"
+            f"{role} may not run {name!r} on schema {schema!r}: "
+            f"{exc.diag.message_primary}. The schema's owner grants what a worker or a "
+            "publisher needs (docs/operations.md, the grants; a schema upgraded since "
+            "then has tables those grants predate: grant them again)"
         ) from exc
     except (errors.ProgramLimitExceeded, psycopg.DataError) as exc:
         # psycopg raises DataError itself for a NUL in text, before sending
@@ -80,13 +84,20 @@ def creating_schema(conn: psycopg.Connection, schema: str) -> Iterator[None]:
     try:
         yield
     except errors.InsufficientPrivilege as exc:
-        role = _role(conn)
+        role, command = _role(conn), MIGRATE_COMMAND.format(schema=schema)
+        owner = _owner(conn, schema)
+        if owner is not None:  # an upgrade: only the schema's owner may change it
+            raise PrivilegeError(
+                f"role {role!r} may not upgrade the pgqueue schema {schema!r} in database "
+                f"{conn.info.dbname!r} ({exc.diag.message_primary}): it is owned by "
+                f"{owner!r}. Have {owner!r} run: {command}"
+            ) from exc
         raise PrivilegeError(
             f"role {role!r} may not create the pgqueue schema {schema!r} in database "
-            f"{conn.info.dbname!r} ({exc}). Let it create schemas in that database ("
+            f"{conn.info.dbname!r} ({exc.diag.message_primary}). Let it create schemas in "
+            "that database ("
             + _sql.advice("grant_create", conn, database=conn.info.dbname, role=role)
-            + f"), or create the schema owned by it, or have an owner run: "
-            f"{MIGRATE_COMMAND.format(schema=schema)}"
+            + f"), or create the schema owned by it, or have an owner run: {command}"
         ) from exc
 
 
@@ -118,6 +129,15 @@ def staging(conn: psycopg.Connection, schema: str) -> Iterator[None]:
             "owner can allow TEMPORARY on the database: "
             + _sql.advice("grant_temporary", conn, database=database, role=role)
         ) from exc
+
+
+def _owner(conn: psycopg.Connection, schema: str) -> str | None:
+    """The owner of ``schema``, None if it does not exist (or cannot be read now)."""
+    try:
+        row = conn.execute(_sql.queries(schema)["schema_owner"], {"schema": schema}).fetchone()
+    except psycopg.Error:
+        return None
+    return str(row[0]) if row else None
 
 
 def _role(conn: psycopg.Connection) -> str:

@@ -50,7 +50,7 @@ Transport options
 * ``auto_migrate`` (bool, True): install or upgrade the schema on first connect.
   When off, a missing or old schema raises :class:`~kombu_pgqueue.SchemaError`
   naming ``python -m kombu_pgqueue migrate``.
-* ``pool_max_size`` (int, 8): pooled connections per process and database.
+* ``pool_max_size`` (int, 8, at least 2): pooled connections per process and database.
 * ``pool_timeout`` (float, 30): seconds to wait for a pooled connection.
 * ``statement_timeout`` (float, 30): the longest one of the broker's statements may
   take, in seconds (0: no limit). PostgreSQL's ``statement_timeout`` on the broker's

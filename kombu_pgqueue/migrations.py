@@ -101,11 +101,12 @@ def check(conn: psycopg.Connection, schema: str = DEFAULT_SCHEMA) -> None:
     have, need = current_version(conn, schema), latest_version()
     if have >= need:
         return
-    state = "does not exist" if have == 0 else f"is at version {have}"
+    state = "is not installed" if have == 0 else f"is at version {have}"
     raise SchemaError(
         f"pgqueue schema {schema!r} in database {conn.info.dbname!r} {state}; this code "
-        f"needs version {need}. Run: {MIGRATE_COMMAND.format(schema=schema)} "
-        "(or leave the transport option auto_migrate on)"
+        f"needs version {need}. Have a role that may create it (the schema's owner) run: "
+        f"{MIGRATE_COMMAND.format(schema=schema)} (or, for a role that may, leave the "
+        "transport option auto_migrate on)"
     )
 
 

@@ -962,6 +962,13 @@ SELECT
     THEN pg_notify(%(channel)s, wake.payload) END
 FROM wake;
 
+-- name: schema_owner :one
+-- Who owns the broker's schema, if it exists: only that role may upgrade it (a role
+-- refused a migration is told whom to ask).
+SELECT n.nspowner::regrole::text
+FROM pg_catalog.pg_namespace AS n
+WHERE n.nspname = %(schema)s;
+
 -- name: schema_installed :one
 -- Whether the broker's schema is in the database of an application connection that
 -- transaction() enlisted: a transaction cannot span two databases.

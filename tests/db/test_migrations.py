@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import threading
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -157,10 +158,34 @@ def test_role_without_table_privileges_gets_privilege_error_on_publish(
 
     conn = _connect(url_with(user=role), schema=schema, auto_migrate=False)
     try:
-        with pytest.raises(PrivilegeError, match=schema):
+        with pytest.raises(PrivilegeError, match=schema) as caught:
             conn.default_channel.store.size("q")
     finally:
         conn.release()
+    assert f"role {role!r} may not run 'size'" in str(caught.value)
+    assert "docs/operations.md" in str(caught.value)  # where the grants are
+
+
+def test_a_role_that_may_not_upgrade_the_schema_is_told_its_owner(
+    url_with: Callable[..., str], role: str, dsn: str, schema: str, db: psycopg.Connection
+) -> None:
+    migrate(dsn, schema)
+    owner = db.execute("SELECT current_user").fetchone()
+    ident, who = sql.Identifier(schema), sql.Identifier(role)
+    db.execute(sql.SQL("GRANT USAGE ON SCHEMA {} TO {}").format(ident, who))
+    db.execute(sql.SQL("GRANT SELECT ON {}.schema_migration TO {}").format(ident, who))
+    latest = sql.SQL("DELETE FROM {}.schema_migration WHERE version = %s").format(ident)
+    db.execute(latest, (latest_version(),))  # as if a release with a new migration came
+
+    with pytest.raises(PrivilegeError) as caught:
+        _connect(url_with(user=role), schema=schema)  # auto_migrate on: it tries
+
+    message = str(caught.value)
+    assert f"role {role!r} may not upgrade the pgqueue schema {schema!r}" in message
+    assert owner is not None and f"it is owned by {owner[0]!r}" in message
+    assert COMMAND in message
+    assert "GRANT CREATE ON DATABASE" not in message  # which would not help
+    assert "\n" not in message and "\n" not in repr(message)  # one line, no LINE/^ excerpt
 
 
 def test_the_message_table_is_set_up_for_churn(
@@ -281,3 +306,17 @@ def test_the_version_command_says_what_to_do_and_check_fails_unless_current(
     db.execute(newer, (latest + 1,))  # a later release migrated it
     later = f"version {latest + 1}, newer than this code ({latest}): upgrade kombu-pgqueue"
     assert version("--check") == (1, later)
+
+
+def test_the_sql_command_on_a_server_that_cannot_be_reached_is_one_line(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    nowhere = f"host=127.0.0.1 port={port} dbname=x user=x connect_timeout=5"
+
+    assert main(["--dsn", nowhere, "sql"]) == 2
+
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("cannot connect to "), line

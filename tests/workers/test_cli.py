@@ -244,6 +244,29 @@ def test_dead_requeue_one_then_all(cli, sent, db, schema):
     assert "name dead letter ids, or pass --all" in refused.stderr
 
 
+def test_a_reason_that_is_not_one_is_refused(cli, sent, db, schema):
+    done = cli("dead", "purge", "--reason", "Failed", "--yes", ok=False)
+
+    assert done.returncode == 2  # a typo is not "deleted 0 dead letters"
+    assert "Invalid value for '--reason'" in done.stderr
+    assert "'failed'" in done.stderr  # the reasons there are
+    assert len(rows(db, schema, "dead_letter")) == 2
+
+
+def test_metrics_on_a_port_taken_is_one_line(cli, sent):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = cli("metrics", "--port", str(port), "--addr", "127.0.0.1", ok=False)
+
+    assert done.returncode == 1
+    assert "Traceback" not in done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith(f"Error: cannot serve metrics on 127.0.0.1:{port}: "), line
+    assert "--port" in line
+
+
 def test_dead_purge(cli, sent, db, schema):
     # without --yes it asks, and a "no" keeps everything
     asked = cli("dead", "purge", ok=False, stdin="n\n")
