@@ -80,11 +80,34 @@ def where(conninfo: str) -> str:
 @pgqueue.command()
 @click.pass_context
 def migrate(ctx: click.Context) -> None:
-    """Install or upgrade the broker schema."""
+    """Install or upgrade the broker schema, and create Celery's result tables (the
+    database backend's) if they are missing: what roles that may not create tables need
+    (docs/operations.md, Privileges)."""
     broker = broker_of(ctx)
     applied = broker.migrate()
     done = ", ".join(map(str, applied)) or "nothing (already current)"
     click.echo(f"schema {broker.schema!r} in {where(broker.conninfo)}: applied {done}")
+    found = _result_tables(ctx.obj.app)
+    if found:
+        click.echo(f"Celery's result tables: {found}")
+
+
+def _result_tables(app: Any) -> str | None:
+    """Create the app's result tables as this role if it keeps results in a database
+    (Celery creates them as its backend is made, or at its first session); where they
+    are, or None for another backend."""
+    from celery.backends.database import DatabaseBackend
+
+    backend = app.backend
+    if not isinstance(backend, DatabaseBackend):
+        return None
+    backend.ResultSession().close()
+    schemas = app.conf.database_table_schemas or {}
+    names = app.conf.database_table_names or {}
+    return ", ".join(
+        f"{schemas.get(kind) or 'public'}.{names.get(kind) or default}"
+        for kind, default in (("task", "celery_taskmeta"), ("group", "celery_tasksetmeta"))
+    )
 
 
 @pgqueue.command()

@@ -9,6 +9,8 @@ schema did not exist yet, and the worker died at startup (``InvalidSchemaName``)
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import psycopg
@@ -90,3 +92,23 @@ def test_the_schema_is_tried_again_while_the_database_cannot_be_reached(
         app.close()
     exists = "SELECT count(*) FROM pg_namespace WHERE nspname = %s"
     assert db.execute(exists, (schema,)).fetchone() == (1,)
+
+
+def test_migrate_creates_the_result_tables_too(
+    dsn: str, schema: str, db: psycopg.Connection
+) -> None:
+    """What a role that may not create tables needs to find there (docs/operations.md)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "celery", "-A", "results_app", "pgqueue", "migrate"],
+        cwd=HERE,
+        env=worker_env(dsn, schema),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+    assert done.returncode == 0, done.stderr
+    tables = f"{schema}.celery_taskmeta, {schema}.celery_tasksetmeta"
+    assert done.stdout.splitlines()[-1] == f"Celery's result tables: {tables}"
+    found = "SELECT count(*) FROM pg_tables WHERE schemaname = %s AND tablename LIKE 'celery_%%'"
+    assert db.execute(found, (schema,)).fetchone() == (2,)
