@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -94,6 +96,22 @@ def worker_env(dsn: str, schema: str, **settings: Any) -> dict[str, str]:
     for key, value in settings.items():
         env[f"PGQUEUE_{key.upper()}"] = str(value)
     return env
+
+
+def pgqueue_cli(
+    app: str, dsn: str, schema: str, *args: str, stdin: str = "", **settings: Any
+) -> subprocess.CompletedProcess[str]:
+    """``celery -A APP pgqueue ARGS`` as a user runs it, from this directory, with
+    :func:`worker_env`'s environment; its exit status is the caller's to check."""
+    return subprocess.run(
+        [sys.executable, "-m", "celery", "-A", app, "pgqueue", *args],
+        cwd=os.path.dirname(os.path.abspath(__file__)),
+        env=worker_env(dsn, schema, **settings),
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def make_app(

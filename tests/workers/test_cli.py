@@ -7,15 +7,13 @@ from __future__ import annotations
 import json
 import socket
 import subprocess
-import sys
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
 from kombu import Consumer, Queue
-from lifecycle_app import create_ledger, make_app, worker_env
+from lifecycle_app import create_ledger, make_app, pgqueue_cli
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
 from psycopg.rows import dict_row
@@ -27,7 +25,6 @@ from kombu_pgqueue import admin, codec, migrations
 
 pytestmark = pytest.mark.celery
 
-HERE = Path(__file__).resolve().parent
 
 Cli = Callable[..., subprocess.CompletedProcess[str]]
 
@@ -35,15 +32,7 @@ Cli = Callable[..., subprocess.CompletedProcess[str]]
 @pytest.fixture
 def cli(dsn: str, schema: str) -> Cli:
     def run(*args: str, ok: bool = True, stdin: str = "", **settings: Any) -> Any:
-        done = subprocess.run(
-            [sys.executable, "-m", "celery", "-A", "lifecycle_app", "pgqueue", *args],
-            cwd=HERE,
-            env=worker_env(dsn, schema, **settings),
-            input=stdin,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        done = pgqueue_cli("lifecycle_app", dsn, schema, *args, stdin=stdin, **settings)
         if ok:
             assert done.returncode == 0, (args, done.stdout, done.stderr)
         return done
@@ -150,14 +139,7 @@ def test_a_database_that_cannot_be_reached_is_one_line_not_a_traceback(dsn, sche
     if where.get("port") == "free":
         where = {**where, "port": str(_free_port())}
     missing = make_conninfo(dsn, **where)
-    done = subprocess.run(
-        [sys.executable, "-m", "celery", "-A", "lifecycle_app", "pgqueue", "queues"],
-        cwd=HERE,
-        env=worker_env(missing, schema),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = pgqueue_cli("lifecycle_app", missing, schema, "queues")
     assert done.returncode == 1, (done.stdout, done.stderr)
     assert "Traceback" not in done.stderr
     (line,) = done.stderr.strip().splitlines()

@@ -9,14 +9,12 @@ schema did not exist yet, and the worker died at startup (``InvalidSchemaName``)
 from __future__ import annotations
 
 import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import psycopg
 import pytest
 from celery_workers import workers
-from lifecycle_app import worker_env
+from lifecycle_app import pgqueue_cli, worker_env
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
 from results_app import make_app
@@ -98,14 +96,7 @@ def test_migrate_creates_the_result_tables_too(
     dsn: str, schema: str, db: psycopg.Connection
 ) -> None:
     """What a role that may not create tables needs to find there (docs/operations.md)."""
-    done = subprocess.run(
-        [sys.executable, "-m", "celery", "-A", "results_app", "pgqueue", "migrate"],
-        cwd=HERE,
-        env=worker_env(dsn, schema),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = pgqueue_cli("results_app", dsn, schema, "migrate")
 
     assert done.returncode == 0, done.stderr
     tables = f"{schema}.celery_taskmeta, {schema}.celery_tasksetmeta"
