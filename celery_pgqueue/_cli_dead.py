@@ -145,14 +145,14 @@ def dead_requeue(
     if not message_ids and not everything:
         raise click.UsageError("name dead letter ids, or pass --all")
     broker = broker_of(ctx)
-    ids = list(message_ids)
-    # --all takes the letters as they are; named ones are looked up (a round trip each)
-    unknown = [] if everything else [i for i in dict.fromkeys(ids) if not broker.dead_letter(i)]
-    for i in unknown:  # a mistyped id is not a success
-        click.echo(f"no dead letter with id {i}", err=True)
-    ids = [i for i in ids if i not in unknown]
+    unknown: list[int] = []
     if everything:
         ids = [d.id for d in broker.dead_letters(queue, limit=None, reason=reason)]
+    else:  # named ones are looked up (a round trip each): a mistyped id is not a success
+        unknown = [i for i in dict.fromkeys(message_ids) if broker.dead_letter(i) is None]
+        for i in unknown:
+            click.echo(f"no dead letter with id {i}", err=True)
+        ids = [i for i in message_ids if i not in unknown]
     queues_hit = broker.requeue_dead(ids)
     # a letter whose dedup key a live message holds stays dead rather than run twice
     asked = set(ids)

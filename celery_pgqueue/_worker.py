@@ -62,15 +62,23 @@ def _starting(sender: Any = None, **_: Any) -> None:
     if worker is None:
         return
     app = worker.app
-    with app.connection_for_read() as connection:
-        if getattr(connection.get_transport_cls(), "driver_type", None) != "pgqueue":
-            return
-        try:
-            broker = Broker.from_connection(connection)
-        except ConfigurationError:
-            return  # the worker's own connection says what is wrong, as it always did
+    broker = _broker(app)
+    if broker is None:
+        return
     _schema_first(app, broker)
     _no_handoffs_to_a_blocking_loop(app, worker.pool_cls)
+
+
+def _broker(app: Any) -> Broker | None:
+    """``app``'s pgqueue broker; None for another transport, or options that its own
+    connection will report as wrong (as it always did)."""
+    with app.connection_for_read() as connection:
+        if getattr(connection.get_transport_cls(), "driver_type", None) != "pgqueue":
+            return None
+        try:
+            return Broker.from_connection(connection)
+        except ConfigurationError:
+            return None
 
 
 def _schema_first(app: Any, broker: Broker) -> bool:
@@ -104,11 +112,7 @@ class SchemaFirst:
 
     def __call__(self, engine: Any) -> None:
         if not self.done:
-            with self.app.connection_for_write() as connection:
-                try:
-                    broker = Broker.from_connection(connection)
-                except ConfigurationError:
-                    broker = None  # not a pgqueue broker (any more): nothing to install
+            broker = _broker(self.app)
             # a database not reachable yet: the next engine (Celery's retry) tries again
             self.done = broker is None or _schema_first(self.app, broker)
         previous = self.previous

@@ -23,9 +23,8 @@ from typing import Any
 import click
 import psycopg
 
-from kombu_pgqueue import admin
+from kombu_pgqueue import admin, migrations
 from kombu_pgqueue.exceptions import PgQueueError
-from kombu_pgqueue.migrations import latest_version
 
 from ._cli_common import broker_of, table
 from ._cli_dead import dead, parse_duration
@@ -116,15 +115,10 @@ def _result_tables(app: Any) -> str | None:
 def version(ctx: click.Context, check: bool) -> None:
     """The broker schema's version against this code's, and what to do."""
     broker = broker_of(ctx, auto_migrate=False)
-    have, need = broker.schema_version(), latest_version()
-    said = f"version {have}, current"
-    if have > need:
-        said = f"version {have}, newer than this code ({need}): upgrade kombu-pgqueue"
-    elif have < need:
-        said = "not installed" if have == 0 else f"version {have}"
-        said += f", code needs {need}: run celery -A <app> pgqueue migrate"
+    have = broker.schema_version()
+    said = migrations.describe(have, "celery -A <app> pgqueue migrate")
     click.echo(f"schema {broker.schema!r} in {where(broker.conninfo)}: {said}")
-    if check and have != need:
+    if check and have != migrations.latest_version():
         raise click.exceptions.Exit(1)
 
 

@@ -86,8 +86,9 @@ def main(argv: list[str] | None = None) -> int:
                 done = ", ".join(map(str, applied)) or "nothing (already current)"
                 print(f"{where} as {info.user}: applied {done}")
             else:
-                current = _version(where, migrations.current_version(conn, args.schema))
-                return 1 if args.check and not current else 0
+                have = migrations.current_version(conn, args.schema)
+                print(f"{where}: {migrations.describe(have, 'python -m kombu_pgqueue migrate')}")
+                return 1 if args.check and have != migrations.latest_version() else 0
     except psycopg.errors.ReadOnlySqlTransaction as exc:
         print(
             f"{mask(args.dsn) or 'the default database'} is read-only ({exc.diag.message_primary}):"
@@ -107,22 +108,6 @@ def main(argv: list[str] | None = None) -> int:
         print(str(exc), file=sys.stderr)
         return 3
     return 0
-
-
-def _version(where: str, have: int) -> bool:
-    """Say the schema's version against the code's, and what to do; whether they match."""
-    need = migrations.latest_version()
-    if have == need:
-        print(f"{where}: version {have}, current")
-        return True
-    if have == 0:
-        said = f"not installed, code needs {need}: run python -m kombu_pgqueue migrate"
-    elif have < need:
-        said = f"version {have}, code needs {need}: run python -m kombu_pgqueue migrate"
-    else:
-        said = f"version {have}, newer than this code ({need}): upgrade kombu-pgqueue"
-    print(f"{where}: {said}")
-    return False
 
 
 if __name__ == "__main__":

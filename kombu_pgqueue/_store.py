@@ -291,8 +291,9 @@ class Store(Connected):
     def delete_queue(
         self, queue: str, *, if_unused: bool = False, now: datetime | None = None
     ) -> int | None:
-        params = {"queue": queue, "if_unused": if_unused, "now": now}
-        row = self._one("delete_queue", {**params, "channel": self.options.channel})
+        channel = self.options.channel
+        params = {"queue": queue, "if_unused": if_unused, "now": now, "channel": channel}
+        row = self._one("delete_queue", params)
         if row is None:
             return 0
         return None if row[0] is None else int(row[0])

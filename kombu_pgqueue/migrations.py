@@ -96,6 +96,18 @@ def _migrate(conn: psycopg.Connection, schema: str) -> list[int]:
     return applied
 
 
+def describe(have: int, migrate_command: str) -> str:
+    """The installed version ``have`` against this code's, and what to do about it
+    (``migrate_command`` names the command that upgrades)."""
+    need = latest_version()
+    if have > need:
+        return f"version {have}, newer than this code ({need}): upgrade kombu-pgqueue"
+    if have < need:
+        state = "not installed" if have == 0 else f"version {have}"
+        return f"{state}, code needs {need}: run {migrate_command}"
+    return f"version {have}, current"
+
+
 def check(conn: psycopg.Connection, schema: str = DEFAULT_SCHEMA) -> None:
     """Raise :class:`SchemaError` unless ``schema`` is at the latest version."""
     have, need = current_version(conn, schema), latest_version()
