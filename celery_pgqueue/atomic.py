@@ -35,7 +35,7 @@ at the first attempt. See docs/atomic.md.
 from __future__ import annotations
 
 import logging
-from contextlib import ExitStack
+from contextlib import AbstractContextManager
 from contextvars import ContextVar
 from typing import Any
 
@@ -175,7 +175,8 @@ class _Attempt:
         self.fence = task.pgqueue_fence()
         self.delivery = _delivery(task)
         self.database = task.atomic_db
-        self._enlisted: ExitStack | None = None
+        #: the block that makes the attempt's publishes the transaction's, while open
+        self._publishing: AbstractContextManager[Any] | None = None
         self.transaction = self._begin()
 
     def _begin(self) -> Transaction:
@@ -186,17 +187,18 @@ class _Attempt:
                 check=self.database.checks,
                 source=f"task {self.task.name}'s atomic_db ({type(self.database).__name__})",
             )
-            self._enlisted = ExitStack()
-            self._enlisted.enter_context(transactions.transaction(transaction.handle))
+            publishing = transactions.transaction(self.enlisted)
+            publishing.__enter__()
+            self._publishing = publishing
         except BaseException:
             transaction.close()
             raise
         return transaction
 
     def _end(self) -> None:
-        if self._enlisted is not None:
-            self._enlisted.close()
-            self._enlisted = None
+        if self._publishing is not None:
+            self._publishing.__exit__(None, None, None)
+            self._publishing = None
         try:
             self.transaction.close()
         except Exception as exc:  # a dead connection: the server ended the transaction

@@ -27,11 +27,10 @@ do, and it sends nothing.
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 import psycopg
 from kombu.connection import Connection
@@ -39,6 +38,14 @@ from psycopg import sql
 
 from . import _errors, _pool, _sql, codec
 from ._options import Options
+from ._sources import (
+    Django,
+    Psycopg,
+    PsycopgTransaction,
+    SQLAlchemy,
+    Transaction,
+    TransactionSource,
+)
 from .exceptions import ConfigurationError
 from .transactions import Database, Enlisted, enlist
 
@@ -170,12 +177,11 @@ class Fence:
         one round trip (function ``ack_delivery``, migration 0008): a delete that finds no
         row raises, which aborts the transaction, so the COMMIT behind it rolls back.
         """
-        if not isinstance(transaction, _PsycopgTransaction):
+        if not isinstance(transaction, PsycopgTransaction):
             if not self.ack(enlisted, delivery):
                 return False
             transaction.commit()
             return True
-        conn = transaction.handle
         # integers only: the ids are bound here, so that the statement needs no parse
         # of parameters, and the function's plan is the session's
         query = b"%s(%d, %d); COMMIT" % (
@@ -184,12 +190,7 @@ class Fence:
             int(delivery.lease),
         )
         with self._translated("ack_delivery"):
-            try:
-                conn.execute(query)
-            except psycopg.errors.NoDataFound:
-                conn.rollback()
-                return False
-        return True
+            return transaction.run_and_commit(query, NO_ROW)
 
     def holder(self, enlisted: Enlisted, delivery: Delivery) -> str:
         """Where ``delivery``'s message is now, in words (after :meth:`ack` found nothing)."""
@@ -209,150 +210,8 @@ class Fence:
         )
 
 
-# -- where the work is done: what an atomic task's self.db is ------------------------
-
-
-class Transaction(Protocol):
-    """One transaction of a :class:`TransactionSource`; ``handle`` is what the work
-    uses (an atomic task's ``self.db``)."""
-
-    handle: Any
-
-    def commit(self) -> None: ...
-
-    def rollback(self) -> None: ...
-
-    def close(self) -> None: ...
-
-
-class TransactionSource(Protocol):
-    """Where an atomic consumer's transactions run (an atomic task's ``atomic_db``)."""
-
-    #: whether its connections must be checked to reach the broker's database
-    checks: bool
-
-    def begin(self, fence: Fence) -> Transaction: ...
-
-
-# -- psycopg ---------------------------------------------------------------------------------
-
-
-class Psycopg:
-    """``self.db`` is a psycopg 3 connection of the worker's, one per thread and process,
-    opened from the broker's connection string (or ``conninfo``), kept between tasks."""
-
-    def __init__(self, conninfo: str | None = None, **connect_kwargs: Any) -> None:
-        self.conninfo = conninfo
-        self.connect_kwargs = connect_kwargs
-        self.checks = conninfo is not None
-        self._local = threading.local()
-
-    def begin(self, fence: Fence) -> Transaction:
-        conn: psycopg.Connection[Any] | None = getattr(self._local, "conn", None)
-        if conn is None or conn.closed or conn.broken or self._local.pid != os.getpid():
-            # a pool child never touches its parent's connection (after fork): a new one
-            conn = psycopg.connect(self.conninfo or fence.conninfo, **self.connect_kwargs)
-            self._local.conn, self._local.pid = conn, os.getpid()
-        return _PsycopgTransaction(conn)
-
-
-class _PsycopgTransaction:
-    def __init__(self, conn: psycopg.Connection[Any]) -> None:
-        self.handle = conn
-
-    def commit(self) -> None:
-        self.handle.commit()
-
-    def rollback(self) -> None:
-        if not self.handle.closed:
-            self.handle.rollback()
-
-    def close(self) -> None:
-        conn = self.handle
-        if conn.broken:
-            conn.close()  # the next transaction connects afresh
-        elif not conn.closed and conn.info.transaction_status != _IDLE:
-            conn.rollback()
-
-
-_IDLE = psycopg.pq.TransactionStatus.IDLE
-
-
-# -- SQLAlchemy -----------------------------------------------------------------------------
-
-
-class SQLAlchemy:
-    """``self.db`` is a ``Session`` of ``bind`` (a ``sessionmaker``, or any callable that
-    returns a ``Session``) or a ``Connection`` of ``bind`` (an ``Engine``), in a
-    transaction; closed after the attempt. Any PostgreSQL driver with ``%(name)s``
-    parameters (psycopg 3, psycopg2)."""
-
-    checks = True
-
-    def __init__(self, bind: Any) -> None:
-        self.bind = bind
-
-    def begin(self, fence: Fence) -> Transaction:
-        is_engine = hasattr(self.bind, "dialect") and hasattr(self.bind, "connect")
-        handle = self.bind.connect() if is_engine else self.bind()
-        handle.begin()
-        return _SQLAlchemyTransaction(handle)
-
-
-class _SQLAlchemyTransaction:
-    def __init__(self, handle: Any) -> None:
-        self.handle = handle
-
-    def commit(self) -> None:
-        self.handle.commit()
-
-    def rollback(self) -> None:
-        self.handle.rollback()
-
-    def close(self) -> None:
-        self.handle.close()  # rolls back what is still open
-
-
-# -- Django --------------------------------------------------------------------------------
-
-
-class Django:
-    """``self.db`` is Django's connection ``using``, inside ``transaction.atomic(using)``:
-    the ORM's writes are the transaction's, ``atomic()`` blocks in the body are savepoints
-    and ``transaction.on_commit()`` callbacks run after the commit."""
-
-    checks = True
-
-    def __init__(self, using: str = "default") -> None:
-        self.using = using
-
-    def begin(self, fence: Fence) -> Transaction:
-        from django.db import connections, transaction
-
-        block = transaction.atomic(using=self.using)
-        block.__enter__()
-        return _DjangoTransaction(connections[self.using], block, self.using)
-
-
-class _DjangoTransaction:
-    def __init__(self, handle: Any, block: Any, using: str) -> None:
-        self.handle, self._block, self._using = handle, block, using
-        self._open = True
-
-    def commit(self) -> None:
-        self._open = False
-        self._block.__exit__(None, None, None)  # commits, or rolls back and raises
-
-    def rollback(self) -> None:
-        if self._open:
-            from django.db import transaction
-
-            self._open = False
-            transaction.set_rollback(True, using=self._using)
-            self._block.__exit__(None, None, None)
-
-    def close(self) -> None:
-        self.rollback()
+#: SQLSTATE of what ack_delivery raises when its fenced delete finds no row
+NO_ROW = b"P0002"  # no_data_found (psycopg.errors.NoDataFound)
 
 
 # -- what the consumer is told ------------------------------------------------------------
@@ -372,6 +231,8 @@ def expect(tag: str) -> None:
 def committed(tag: str) -> None:
     """A task of this process committed the ack of ``tag``; a pool child of another
     process (prefork) says nothing: its parent never expected the tag here."""
+    if tag not in _expected:  # a pool child's: without the lock
+        return
     with _lock:
         if tag in _expected:
             _committed.add(tag)

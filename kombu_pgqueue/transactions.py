@@ -301,8 +301,9 @@ def _django_runner(conn: Any) -> tuple[Run, Callable[[], Any]]:
 
 @contextmanager
 def transaction(conn: Any) -> Iterator[Enlisted]:
-    """Write pgqueue publishes made inside the block through ``conn``'s transaction."""
-    enlisted = enlist(conn)
+    """Write pgqueue publishes made inside the block through ``conn``'s transaction
+    (``conn`` may be what :func:`enlist` made of it)."""
+    enlisted = conn if isinstance(conn, Enlisted) else enlist(conn)
     token = _current.set(enlisted)
     try:
         yield enlisted

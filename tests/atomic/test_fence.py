@@ -17,7 +17,8 @@ from kombu_pgqueue._ledger import Held
 from kombu_pgqueue._sql import queries
 from kombu_pgqueue._store import Outgoing, Store, new_lease
 from kombu_pgqueue.admin import parse_options
-from kombu_pgqueue.atomic import Delivery, Fence
+from kombu_pgqueue.atomic import Delivery, Fence, Psycopg
+from kombu_pgqueue.exceptions import ServerUnavailable
 
 Later = Callable[[float], datetime]
 
@@ -74,6 +75,62 @@ def test_ack_in_transaction_finds_no_row_when_the_lease_was_lost(
     enlisted = fence.enlist(app_conn)
     assert not fence.ack(enlisted, first)
     assert fence.holder(enlisted, first) == "another delivery holds it (attempt 2)"
+
+
+def _work(conn: psycopg.Connection, schema: str) -> None:
+    """The attempt's own write: a table of its own in the broker's schema."""
+    conn.execute(sql.SQL("CREATE TABLE {}.work (n int)").format(sql.Identifier(schema)))
+
+
+def _has_work(db: psycopg.Connection, schema: str) -> bool:
+    found = db.execute("SELECT to_regclass(%s) IS NOT NULL", (f"{schema}.work",)).fetchone()
+    return bool(found and found[0])
+
+
+def test_settle_commits_the_work_and_the_ack_in_one(store, fence, db, schema):
+    delivery = _claimed(store)
+    transaction = Psycopg().begin(fence)
+    _work(transaction.handle, schema)
+    assert fence.settle(transaction, fence.enlist(transaction.handle, check=False), delivery)
+    assert _count(db, schema) == 0 and _has_work(db, schema)
+    assert transaction.handle.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+
+
+def test_settle_of_a_lost_lease_rolls_the_work_back(store, fence, db, schema, later: Later):
+    first = _claimed(store)
+    [again] = store.claim("q", 1, new_lease(), now=later(61))
+    transaction = Psycopg().begin(fence)
+    _work(transaction.handle, schema)
+    assert not fence.settle(transaction, fence.enlist(transaction.handle, check=False), first)
+    assert not _has_work(db, schema)
+    assert _count(db, schema) == 1  # the other delivery's, untouched
+    transaction.handle.execute("SELECT 1")  # the connection goes on
+    transaction.close()
+
+
+def test_settle_refused_otherwise_raises_and_commits_nothing(store, fence, db, schema):
+    delivery = _claimed(store)
+    transaction = Psycopg().begin(fence)
+    transaction.handle.execute("SET TRANSACTION READ ONLY")
+    with pytest.raises(ServerUnavailable, match="read-only"):
+        fence.settle(transaction, fence.enlist(transaction.handle, check=False), delivery)
+    transaction.close()
+    assert _count(db, schema) == 1
+    assert store.ack(delivery.message_id, delivery.lease)  # still this delivery's
+
+
+def test_settle_on_a_connection_that_died_raises_a_connection_error(store, fence, db, schema):
+    delivery = _claimed(store)
+    source = Psycopg()
+    transaction = source.begin(fence)
+    _work(transaction.handle, schema)
+    db.execute("SELECT pg_terminate_backend(%s)", (transaction.handle.info.backend_pid,))
+    with pytest.raises(psycopg.OperationalError):
+        fence.settle(transaction, fence.enlist(transaction.handle, check=False), delivery)
+    transaction.close()
+    assert _count(db, schema) == 1 and not _has_work(db, schema)
+    # the next attempt connects afresh
+    assert source.begin(fence).handle.execute("SELECT 1").fetchone() == (1,)
 
 
 def test_delivery_holder_says_when_the_message_is_gone(store, fence, app_conn):

@@ -1,0 +1,188 @@
+"""Where an atomic consumer's work is done: what an atomic task's ``self.db`` is.
+
+A :class:`TransactionSource` opens one :class:`Transaction` per attempt: on a psycopg
+connection of the worker's (:class:`Psycopg`), a SQLAlchemy ``Session`` or
+``Connection`` (:class:`SQLAlchemy`), or Django's connection (:class:`Django`).
+:class:`kombu_pgqueue.atomic.Fence` acks a delivery inside it. Exported by
+:mod:`kombu_pgqueue.atomic`.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import TYPE_CHECKING, Any, Protocol
+
+import psycopg
+
+if TYPE_CHECKING:
+    from .atomic import Fence
+
+
+class Transaction(Protocol):
+    """One transaction of a :class:`TransactionSource`; ``handle`` is what the work
+    uses (an atomic task's ``self.db``)."""
+
+    handle: Any
+
+    def commit(self) -> None: ...
+
+    def rollback(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class TransactionSource(Protocol):
+    """Where an atomic consumer's transactions run (an atomic task's ``atomic_db``)."""
+
+    #: whether its connections must be checked to reach the broker's database
+    checks: bool
+
+    def begin(self, fence: Fence) -> Transaction: ...
+
+
+# -- psycopg ---------------------------------------------------------------------------------
+
+
+class Psycopg:
+    """``self.db`` is a psycopg 3 connection of the worker's, one per thread and process,
+    opened from the broker's connection string (or ``conninfo``), kept between tasks."""
+
+    def __init__(self, conninfo: str | None = None, **connect_kwargs: Any) -> None:
+        self.conninfo = conninfo
+        self.connect_kwargs = connect_kwargs
+        self.checks = conninfo is not None
+        self._local = threading.local()
+
+    def begin(self, fence: Fence) -> Transaction:
+        conn: psycopg.Connection[Any] | None = getattr(self._local, "conn", None)
+        if conn is None or conn.closed or conn.broken or self._local.pid != os.getpid():
+            # a pool child never touches its parent's connection (after fork): a new one
+            conn = psycopg.connect(self.conninfo or fence.conninfo, **self.connect_kwargs)
+            self._local.conn, self._local.pid = conn, os.getpid()
+        return PsycopgTransaction(conn)
+
+
+class PsycopgTransaction:
+    """A transaction of :class:`Psycopg`: its connection, kept by the thread."""
+
+    def __init__(self, conn: psycopg.Connection[Any]) -> None:
+        self.handle = conn
+
+    def commit(self) -> None:
+        self.handle.commit()
+
+    def rollback(self) -> None:
+        if not self.handle.closed:
+            self.handle.rollback()
+
+    def close(self) -> None:
+        conn = self.handle
+        if conn.broken:
+            conn.close()  # the next transaction connects afresh
+        elif not conn.closed and conn.pgconn.transaction_status != _IDLE:
+            conn.rollback()
+
+    def run_and_commit(self, query: bytes, refused: bytes) -> bool:
+        """Run ``query`` (statements ending in COMMIT, no parameters) as one simple
+        query; False, rolled back, when a statement of it failed with SQLSTATE
+        ``refused``; any other failure raises psycopg's error.
+
+        Straight to libpq, through psycopg's public ``PGconn`` (which lets other threads
+        run while it waits): a cursor's machinery would cost an atomic task's ack more
+        client CPU than its round trip. The transaction's state is libpq's, which the
+        connection reads: it sees the commit, or the aborted transaction.
+        """
+        conn = self.handle
+        result = conn.pgconn.exec_(query)
+        if result.status != _FATAL_ERROR:
+            return True
+        if result.error_field(_SQLSTATE) == refused:
+            conn.rollback()
+            return False
+        if conn.broken:
+            message = result.get_error_message(conn.info.encoding)
+            raise psycopg.OperationalError(message or "the connection to the server was lost")
+        raise psycopg.errors.error_from_result(result, encoding=conn.info.encoding)
+
+
+_IDLE = psycopg.pq.TransactionStatus.IDLE
+_FATAL_ERROR = psycopg.pq.ExecStatus.FATAL_ERROR
+_SQLSTATE = psycopg.pq.DiagnosticField.SQLSTATE
+
+
+# -- SQLAlchemy -----------------------------------------------------------------------------
+
+
+class SQLAlchemy:
+    """``self.db`` is a ``Session`` of ``bind`` (a ``sessionmaker``, or any callable that
+    returns a ``Session``) or a ``Connection`` of ``bind`` (an ``Engine``), in a
+    transaction; closed after the attempt. Any PostgreSQL driver with ``%(name)s``
+    parameters (psycopg 3, psycopg2)."""
+
+    checks = True
+
+    def __init__(self, bind: Any) -> None:
+        self.bind = bind
+
+    def begin(self, fence: Fence) -> Transaction:
+        is_engine = hasattr(self.bind, "dialect") and hasattr(self.bind, "connect")
+        handle = self.bind.connect() if is_engine else self.bind()
+        handle.begin()
+        return _SQLAlchemyTransaction(handle)
+
+
+class _SQLAlchemyTransaction:
+    def __init__(self, handle: Any) -> None:
+        self.handle = handle
+
+    def commit(self) -> None:
+        self.handle.commit()
+
+    def rollback(self) -> None:
+        self.handle.rollback()
+
+    def close(self) -> None:
+        self.handle.close()  # rolls back what is still open
+
+
+# -- Django --------------------------------------------------------------------------------
+
+
+class Django:
+    """``self.db`` is Django's connection ``using``, inside ``transaction.atomic(using)``:
+    the ORM's writes are the transaction's, ``atomic()`` blocks in the body are savepoints
+    and ``transaction.on_commit()`` callbacks run after the commit."""
+
+    checks = True
+
+    def __init__(self, using: str = "default") -> None:
+        self.using = using
+
+    def begin(self, fence: Fence) -> Transaction:
+        from django.db import connections, transaction
+
+        block = transaction.atomic(using=self.using)
+        block.__enter__()
+        return _DjangoTransaction(connections[self.using], block, self.using)
+
+
+class _DjangoTransaction:
+    def __init__(self, handle: Any, block: Any, using: str) -> None:
+        self.handle, self._block, self._using = handle, block, using
+        self._open = True
+
+    def commit(self) -> None:
+        self._open = False
+        self._block.__exit__(None, None, None)  # commits, or rolls back and raises
+
+    def rollback(self) -> None:
+        if self._open:
+            from django.db import transaction
+
+            self._open = False
+            transaction.set_rollback(True, using=self._using)
+            self._block.__exit__(None, None, None)
+
+    def close(self) -> None:
+        self.rollback()
