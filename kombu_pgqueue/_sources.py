@@ -14,6 +14,7 @@ import threading
 from typing import TYPE_CHECKING, Any, Protocol
 
 import psycopg
+import psycopg.waiting
 
 if TYPE_CHECKING:
     from .atomic import Fence
@@ -91,9 +92,20 @@ class PsycopgTransaction:
         Straight to libpq, through psycopg's public ``PGconn`` (which lets other threads
         run while it waits): a cursor's machinery would cost an atomic task's ack more
         client CPU than its round trip. The transaction's state is libpq's, which the
-        connection reads: it sees the commit, or the aborted transaction.
+        connection reads: it sees the commit, or the aborted transaction. Where psycopg
+        waits cooperatively (gevent's patched ``select``), through a cursor, which waits
+        the same way: a blocking call would stop every greenlet of the worker.
         """
         conn = self.handle
+        if not _BLOCKING_WAIT:
+            try:
+                conn.execute(query)
+            except psycopg.Error as exc:
+                if exc.sqlstate is None or exc.sqlstate.encode() != refused:
+                    raise
+                conn.rollback()
+                return False
+            return True
         result = conn.pgconn.exec_(query)
         if result.status != _FATAL_ERROR:
             return True
@@ -107,6 +119,9 @@ class PsycopgTransaction:
 
 
 _IDLE = psycopg.pq.TransactionStatus.IDLE
+#: whether psycopg blocks its thread while it waits for the server (its C wait), as
+#: libpq's own calls do; not where a greenlet library patched select (gevent)
+_BLOCKING_WAIT = psycopg.waiting.wait is getattr(psycopg.waiting, "wait_c", None)
 _FATAL_ERROR = psycopg.pq.ExecStatus.FATAL_ERROR
 _SQLSTATE = psycopg.pq.DiagnosticField.SQLSTATE
 

@@ -32,7 +32,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-import psycopg
 from kombu.connection import Connection
 from psycopg import sql
 

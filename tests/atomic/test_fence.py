@@ -5,8 +5,12 @@ broker's database, and the consumer's own ack that comes after (``kombu_pgqueue.
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from datetime import datetime
+from pathlib import Path
 
 import psycopg
 import pytest
@@ -131,6 +135,23 @@ def test_settle_on_a_connection_that_died_raises_a_connection_error(store, fence
     assert _count(db, schema) == 1 and not _has_work(db, schema)
     # the next attempt connects afresh
     assert source.begin(fence).handle.execute("SELECT 1").fetchone() == (1,)
+
+
+def test_settle_where_psycopg_waits_in_python(dsn):
+    """Where psycopg does not wait in C (gevent patched ``select``; psycopg's pure-Python
+    implementation, here), the ack and COMMIT go through a cursor, which waits the way
+    psycopg does, rather than blocking libpq: the same four outcomes."""
+    here = Path(__file__).resolve()
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(here)]
+        + ["-k", "test_settle_ and not python"],
+        cwd=here.parent.parent.parent,
+        env={**os.environ, "PSYCOPG_IMPL": "python", "PGQUEUE_TEST_DSN": dsn},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0 and "4 passed" in done.stdout, done.stdout + done.stderr
 
 
 def test_delivery_holder_says_when_the_message_is_gone(store, fence, app_conn):
