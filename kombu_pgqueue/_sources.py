@@ -1,45 +1,27 @@
 """Where an atomic consumer's work is done: what an atomic task's ``self.db`` is.
 
-A :class:`TransactionSource` opens one :class:`Transaction` per attempt: on a psycopg
-connection of the worker's (:class:`Psycopg`), a SQLAlchemy ``Session`` or
-``Connection`` (:class:`SQLAlchemy`), or Django's connection (:class:`Django`).
-:class:`kombu_pgqueue.atomic.Fence` acks a delivery inside it. Exported by
-:mod:`kombu_pgqueue.atomic`.
+Each source (a :class:`kombu_pgqueue.atomic.TransactionSource`) opens one transaction
+per attempt: on a psycopg connection of the worker's (:class:`Psycopg`), a SQLAlchemy
+``Session`` or ``Connection`` (:class:`SQLAlchemy`), or Django's connection
+(:class:`Django`). :class:`kombu_pgqueue.atomic.Fence` acks a delivery inside it.
+Exported by :mod:`kombu_pgqueue.atomic`.
 """
 
 from __future__ import annotations
 
 import os
 import threading
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import psycopg
 import psycopg.waiting
 
-if TYPE_CHECKING:
-    from .atomic import Fence
 
+class Broker(Protocol):
+    """What a source needs of the broker (a :class:`~kombu_pgqueue.atomic.Fence`)."""
 
-class Transaction(Protocol):
-    """One transaction of a :class:`TransactionSource`; ``handle`` is what the work
-    uses (an atomic task's ``self.db``)."""
-
-    handle: Any
-
-    def commit(self) -> None: ...
-
-    def rollback(self) -> None: ...
-
-    def close(self) -> None: ...
-
-
-class TransactionSource(Protocol):
-    """Where an atomic consumer's transactions run (an atomic task's ``atomic_db``)."""
-
-    #: whether its connections must be checked to reach the broker's database
-    checks: bool
-
-    def begin(self, fence: Fence) -> Transaction: ...
+    #: the broker's libpq connection string
+    conninfo: str
 
 
 # -- psycopg ---------------------------------------------------------------------------------
@@ -55,7 +37,7 @@ class Psycopg:
         self.checks = conninfo is not None
         self._local = threading.local()
 
-    def begin(self, fence: Fence) -> Transaction:
+    def begin(self, fence: Broker) -> PsycopgTransaction:
         conn: psycopg.Connection[Any] | None = getattr(self._local, "conn", None)
         if conn is None or conn.closed or conn.broken or self._local.pid != os.getpid():
             # a pool child never touches its parent's connection (after fork): a new one
@@ -140,7 +122,7 @@ class SQLAlchemy:
     def __init__(self, bind: Any) -> None:
         self.bind = bind
 
-    def begin(self, fence: Fence) -> Transaction:
+    def begin(self, fence: Broker) -> _SQLAlchemyTransaction:
         is_engine = hasattr(self.bind, "dialect") and hasattr(self.bind, "connect")
         handle = self.bind.connect() if is_engine else self.bind()
         handle.begin()
@@ -174,7 +156,7 @@ class Django:
     def __init__(self, using: str = "default") -> None:
         self.using = using
 
-    def begin(self, fence: Fence) -> Transaction:
+    def begin(self, fence: Broker) -> _DjangoTransaction:
         from django.db import connections, transaction
 
         block = transaction.atomic(using=self.using)

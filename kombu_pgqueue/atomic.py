@@ -30,21 +30,14 @@ from __future__ import annotations
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from kombu.connection import Connection
 from psycopg import sql
 
 from . import _errors, _pool, _sql, codec
 from ._options import Options
-from ._sources import (
-    Django,
-    Psycopg,
-    PsycopgTransaction,
-    SQLAlchemy,
-    Transaction,
-    TransactionSource,
-)
+from ._sources import Django, Psycopg, PsycopgTransaction, SQLAlchemy
 from .exceptions import ConfigurationError
 from .transactions import Database, Enlisted, enlist
 
@@ -101,6 +94,34 @@ class Delivery:
                 "is no ack to commit with the work. Consume it with acks"
             )
         return cls(message_id=message_id, lease=lease)
+
+
+# -- where the work is done: what an atomic task's self.db is ------------------------
+
+
+class Transaction(Protocol):
+    """One transaction of a :class:`TransactionSource`; ``handle`` is what the work
+    uses (an atomic task's ``self.db``)."""
+
+    handle: Any
+
+    def commit(self) -> None: ...
+
+    def rollback(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class TransactionSource(Protocol):
+    """Where an atomic consumer's transactions run (an atomic task's ``atomic_db``)."""
+
+    #: whether its connections must be checked to reach the broker's database
+    checks: bool
+
+    def begin(self, fence: Fence) -> Transaction: ...
+
+
+# -- the broker's side ----------------------------------------------------------------
 
 
 class Fence:
