@@ -29,6 +29,8 @@ class AckBatcher:
     def __init__(self, store: Store) -> None:
         self.store = store
         self._lock = threading.Lock()
+        #: held while a batch is on its way: one flush at a time
+        self._flushing = threading.Lock()
         self._ids: list[int] = []
         self._leases: list[int] = []
         self._wake = threading.Event()
@@ -37,21 +39,38 @@ class AckBatcher:
         self._pid = os.getpid()
 
     def add(self, message_id: int, lease: int) -> None:
+        if self._pid != os.getpid():
+            self._forked()
         with self._lock:
             self._ids.append(message_id)
             self._leases.append(lease)
         self._wake.set()
-        if self._thread is None or self._pid != os.getpid():
+        if self._thread is None:
             self._start()
 
-    def _start(self) -> None:
+    def _forked(self) -> None:
+        """In a forked process: the parent's thread is not here, and its locks may have
+        been held at the fork (a batch on its way)."""
         self._pid = os.getpid()
+        self._lock, self._flushing = threading.Lock(), threading.Lock()
+        self._wake, self._stop = threading.Event(), threading.Event()
+        self._thread = None
+
+    def _start(self) -> None:
         self._stop.clear()
         self._thread = threading.Thread(target=self._run, name="pgqueue-acks", daemon=True)
         self._thread.start()
 
     def flush(self) -> int:
-        """Delete every pending ack now; return how many rows were deleted."""
+        """Delete every pending ack now; return how many rows were deleted. A flush in
+        flight (the batcher's own, taken a moment earlier) is waited for: when this
+        returns, every ack added before is in the database."""
+        if self._pid != os.getpid():
+            self._forked()
+        with self._flushing:
+            return self._flush()
+
+    def _flush(self) -> int:
         with self._lock:
             if not self._ids:
                 return 0

@@ -14,7 +14,7 @@ import threading
 from typing import Any, Protocol
 
 import psycopg
-import psycopg.waiting
+from psycopg import generators
 
 
 class Broker(Protocol):
@@ -61,8 +61,10 @@ class PsycopgTransaction:
 
     def close(self) -> None:
         conn = self.handle
-        if conn.broken:
-            conn.close()  # the next transaction connects afresh
+        if conn.broken or conn.pgconn.transaction_status == _ACTIVE:
+            # gone, or a statement interrupted on the client (a signal: a soft time
+            # limit) still runs on the server: the next transaction connects afresh
+            conn.close()
         elif not conn.closed and conn.pgconn.transaction_status != _IDLE:
             conn.rollback()
 
@@ -71,39 +73,32 @@ class PsycopgTransaction:
         query; False, rolled back, when a statement of it failed with SQLSTATE
         ``refused``; any other failure raises psycopg's error.
 
-        Straight to libpq, through psycopg's public ``PGconn`` (which lets other threads
-        run while it waits): a cursor's machinery would cost an atomic task's ack more
-        client CPU than its round trip. The transaction's state is libpq's, which the
-        connection reads: it sees the commit, or the aborted transaction. Where psycopg
-        waits cooperatively (gevent's patched ``select``), through a cursor, which waits
-        the same way: a blocking call would stop every greenlet of the worker.
+        Sent with libpq's own call and waited for as psycopg waits (so a signal, Ctrl-C
+        or a soft time limit, still interrupts it, and a gevent worker's other greenlets
+        run meanwhile), without a cursor: a cursor's machinery would cost an atomic
+        task's ack more client CPU than its round trip. The transaction's state is
+        libpq's, which the connection reads: it sees the commit, or the aborted
+        transaction.
         """
         conn = self.handle
-        if not _BLOCKING_WAIT:
-            try:
-                conn.execute(query)
-            except psycopg.Error as exc:
-                if exc.sqlstate is None or exc.sqlstate.encode() != refused:
-                    raise
+        with conn.lock:
+            conn.pgconn.send_query(query)
+            results = conn.wait(generators.execute(conn.pgconn))
+        for result in results:
+            if result.status != _FATAL_ERROR:
+                continue
+            if result.error_field(_SQLSTATE) == refused:
                 conn.rollback()
                 return False
-            return True
-        result = conn.pgconn.exec_(query)
-        if result.status != _FATAL_ERROR:
-            return True
-        if result.error_field(_SQLSTATE) == refused:
-            conn.rollback()
-            return False
-        if conn.broken:
-            message = result.get_error_message(conn.info.encoding)
-            raise psycopg.OperationalError(message or "the connection to the server was lost")
-        raise psycopg.errors.error_from_result(result, encoding=conn.info.encoding)
+            if conn.broken:
+                message = result.get_error_message(conn.info.encoding)
+                raise psycopg.OperationalError(message or "the connection to the server was lost")
+            raise psycopg.errors.error_from_result(result, encoding=conn.info.encoding)
+        return True
 
 
 _IDLE = psycopg.pq.TransactionStatus.IDLE
-#: whether psycopg blocks its thread while it waits for the server (its C wait), as
-#: libpq's own calls do; not where a greenlet library patched select (gevent)
-_BLOCKING_WAIT = psycopg.waiting.wait is getattr(psycopg.waiting, "wait_c", None)
+_ACTIVE = psycopg.pq.TransactionStatus.ACTIVE
 _FATAL_ERROR = psycopg.pq.ExecStatus.FATAL_ERROR
 _SQLSTATE = psycopg.pq.DiagnosticField.SQLSTATE
 

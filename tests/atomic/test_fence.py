@@ -6,15 +6,15 @@ from __future__ import annotations
 
 import logging
 import os
-import subprocess
-import sys
+import signal
+import threading
 from collections.abc import Callable, Iterator
 from datetime import datetime
-from pathlib import Path
 
 import psycopg
 import pytest
 from psycopg import sql
+from waiting import wait_for
 
 from kombu_pgqueue import ConfigurationError, atomic
 from kombu_pgqueue._ledger import Held
@@ -137,21 +137,60 @@ def test_settle_on_a_connection_that_died_raises_a_connection_error(store, fence
     assert source.begin(fence).handle.execute("SELECT 1").fetchone() == (1,)
 
 
-def test_settle_where_psycopg_waits_in_python(dsn):
-    """Where psycopg does not wait in C (gevent patched ``select``; psycopg's pure-Python
-    implementation, here), the ack and COMMIT go through a cursor, which waits the way
-    psycopg does, rather than blocking libpq: the same four outcomes."""
-    here = Path(__file__).resolve()
-    done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(here)]
-        + ["-k", "test_settle_ and not python"],
-        cwd=here.parent.parent.parent,
-        env={**os.environ, "PSYCOPG_IMPL": "python", "PGQUEUE_TEST_DSN": dsn},
-        capture_output=True,
-        text=True,
-        timeout=300,
+class _Interrupted(Exception):
+    """What the test's SIGUSR1 handler raises (Celery's soft time limit is one such)."""
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise _Interrupted
+
+
+def test_a_signal_interrupts_a_settle_that_waits(store, fence, db, schema, dsn):
+    """A settle that waits for the server (here for a lock on its message row) is
+    interrupted by a signal, as any psycopg statement is (a soft time limit, Ctrl-C).
+    What was sent still ends on the server, as one transaction, and the next attempt
+    gets a connection that works."""
+    delivery = _claimed(store)
+    source = Psycopg()
+    transaction = source.begin(fence)
+    _work(transaction.handle, schema)
+    backend = transaction.handle.info.backend_pid
+    interrupted = threading.Event()
+    message = sql.SQL("SELECT 1 FROM {}.message WHERE id = %s FOR UPDATE").format(
+        sql.Identifier(schema)
     )
-    assert done.returncode == 0 and "4 passed" in done.stdout, done.stdout + done.stderr
+    with psycopg.connect(dsn) as locker:
+        locker.execute(message, (delivery.message_id,))
+
+        def interrupt() -> None:
+            waiting = "SELECT wait_event_type = 'Lock' FROM pg_stat_activity WHERE pid = %s"
+            with psycopg.connect(dsn, autocommit=True) as watcher:
+                wait_for(
+                    lambda: watcher.execute(waiting, (backend,)).fetchone() == (True,),
+                    30,
+                    "the settle to wait for its row",
+                )
+            os.kill(os.getpid(), signal.SIGUSR1)
+            if not interrupted.wait(30):  # not interrupted: let it finish, and fail
+                locker.rollback()
+
+        previous = signal.signal(signal.SIGUSR1, _interrupt)
+        sender = threading.Thread(target=interrupt)
+        sender.start()
+        try:
+            with pytest.raises(_Interrupted):
+                fence.settle(transaction, fence.enlist(transaction.handle, check=False), delivery)
+        finally:
+            interrupted.set()
+            sender.join()
+            signal.signal(signal.SIGUSR1, previous)
+        transaction.close()  # its statement still runs on the server: closed
+        locker.rollback()
+    # the server ends what was sent: the work and the ack commit together, or neither
+    gone = "SELECT count(*) = 0 FROM pg_stat_activity WHERE pid = %s"
+    wait_for(lambda: db.execute(gone, (backend,)).fetchone() == (True,), 30, "its backend to end")
+    assert _has_work(db, schema) == (_count(db, schema) == 0)
+    assert source.begin(fence).handle.execute("SELECT 1").fetchone() == (1,)
 
 
 def test_delivery_holder_says_when_the_message_is_gone(store, fence, app_conn):

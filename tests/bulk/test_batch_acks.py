@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 
+import psycopg
 from kombu import Consumer, Queue
 from psycopg import sql
 from waiting import wait_for
@@ -63,3 +64,34 @@ def test_a_stale_batched_ack_does_not_delete_a_newer_delivery(make_connection, s
     message.ack()
     conn.default_channel.connection.flush_acks()
     assert _rows(db, schema) == 1  # the newer delivery's row survives the stale ack
+
+
+def test_a_count_after_an_ack_waits_for_the_batch_on_its_way(make_connection, db, dsn, schema):
+    """The batcher's thread has taken the ack and its DELETE waits (here for a lock on
+    the row): a message count read meanwhile by the same transport waits for that batch
+    too, rather than finding nothing pending and counting the acked message."""
+    conn = make_connection(batch_acks=True)
+    publish_many(conn, ["x"], "racing")
+    channel = conn.default_channel
+    message = channel.basic_get("racing")
+    assert message is not None
+    counted: list[int] = []
+    done = threading.Event()
+
+    def count() -> None:
+        counted.append(channel.queue_declare("racing", passive=True).message_count)
+        done.set()
+
+    row = sql.SQL("SELECT 1 FROM {}.message FOR UPDATE").format(sql.Identifier(schema))
+    blocked = "SELECT count(*) > 0 FROM pg_stat_activity WHERE %s = ANY(pg_blocking_pids(pid))"
+    with psycopg.connect(dsn) as locker:
+        locker.execute(row)
+        message.ack()
+        pid = locker.info.backend_pid
+        wait_for(lambda: db.execute(blocked, (pid,)).fetchone()[0], 30, "the batch to wait")
+        counter = threading.Thread(target=count)
+        counter.start()
+        wait_for(done, 0.5, "the count to return while the batch waits", never=True)
+    wait_for(done, 30, "the count to return once the batch is in")
+    counter.join()
+    assert counted == [0]
