@@ -8,7 +8,9 @@ CPU (process time) per transaction, median and lowest over the rounds:
 
 - ``cursor``: the end as a simple query through ``conn.execute`` (``SELECT 1; COMMIT``,
   the shape of the ack and COMMIT of an atomic task, before 2026-11-27);
-- ``exec_``: the same query through psycopg's ``PGconn.exec_`` (what it is now);
+- ``exec_``: the same query through psycopg's ``PGconn.exec_`` (blocking libpq);
+- ``send+wait``: sent with ``PGconn.send_query`` and waited for by ``conn.wait`` (what it
+  is now: psycopg's own wait, which a signal interrupts);
 - ``commit``: psycopg's ``conn.commit()`` (a task in a transaction of its own).
 """
 
@@ -20,6 +22,7 @@ import time
 from collections.abc import Callable
 
 import psycopg
+from psycopg import generators
 
 DSN = "host=127.0.0.1 dbname=test user=postgres"
 
@@ -39,11 +42,21 @@ def main() -> None:
             conn.execute("SELECT 1")
             conn.pgconn.exec_(b"SELECT 1; COMMIT")
 
+        def send_wait() -> None:
+            conn.execute("SELECT 1")
+            conn.pgconn.send_query(b"SELECT 1; COMMIT")
+            conn.wait(generators.execute(conn.pgconn))
+
         def commit() -> None:
             conn.execute("SELECT 1")
             conn.commit()
 
-        ways: dict[str, Callable[[], None]] = {"cursor": cursor, "exec_": exec_, "commit": commit}
+        ways: dict[str, Callable[[], None]] = {
+            "cursor": cursor,
+            "exec_": exec_,
+            "send+wait": send_wait,
+            "commit": commit,
+        }
         seen: dict[str, list[float]] = {name: [] for name in ways}
         for _ in range(args.rounds):
             for name, way in ways.items():
@@ -53,7 +66,7 @@ def main() -> None:
                 seen[name].append(1e6 * (time.process_time() - start) / args.n)
     print(f"client CPU per transaction, us ({args.rounds} rounds of {args.n})")
     for name, values in seen.items():
-        print(f"{name:8s} median {statistics.median(values):7.1f}  lowest {min(values):7.1f}")
+        print(f"{name:10s} median {statistics.median(values):7.1f}  lowest {min(values):7.1f}")
 
 
 if __name__ == "__main__":
