@@ -9,12 +9,15 @@ Exported by :mod:`kombu_pgqueue.atomic`.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from typing import Any, Protocol
 
 import psycopg
 from psycopg import generators
+
+logger = logging.getLogger(__name__)
 
 
 class Broker(Protocol):
@@ -61,17 +64,24 @@ class PsycopgTransaction:
 
     def close(self) -> None:
         conn = self.handle
-        if conn.broken or conn.pgconn.transaction_status == _ACTIVE:
-            # gone, or a statement interrupted on the client (a signal: a soft time
-            # limit) still runs on the server: the next transaction connects afresh
+        if conn.broken:
+            conn.close()  # the next transaction connects afresh
+        elif conn.pgconn.transaction_status == _ACTIVE:
+            # a statement interrupted on the client (a signal: a soft time limit) still
+            # runs on the server: stop it there if it can be stopped, and connect afresh
+            try:
+                conn.cancel_safe(timeout=2.0)
+            except Exception as exc:  # the statement ends (or not) with the connection
+                logger.debug("pgqueue: could not cancel an interrupted statement: %r", exc)
             conn.close()
         elif not conn.closed and conn.pgconn.transaction_status != _IDLE:
             conn.rollback()
 
-    def run_and_commit(self, query: bytes, refused: bytes) -> bool:
-        """Run ``query`` (statements ending in COMMIT, no parameters) as one simple
-        query; False, rolled back, when a statement of it failed with SQLSTATE
-        ``refused``; any other failure raises psycopg's error.
+    def run_and_commit(self, statement: bytes, refused: bytes) -> bool:
+        """Run ``statement`` (no parameters) and COMMIT as one simple query, in the
+        transaction (opened first if the work ran no statement); False, rolled back,
+        when ``statement`` failed with SQLSTATE ``refused``; any other failure, or a
+        transaction that did not commit, raises psycopg's error.
 
         Sent with libpq's own call and waited for as psycopg waits (so a signal, Ctrl-C
         or a soft time limit, still interrupts it, and a gevent worker's other greenlets
@@ -81,19 +91,27 @@ class PsycopgTransaction:
         transaction.
         """
         conn = self.handle
+        opened = conn.pgconn.transaction_status == _IDLE
+        query = b"%s%s; COMMIT" % (b"BEGIN; " if opened else b"", statement)
         with conn.lock:
             conn.pgconn.send_query(query)
             results = conn.wait(generators.execute(conn.pgconn))
-        for result in results:
-            if result.status != _FATAL_ERROR:
-                continue
-            if result.error_field(_SQLSTATE) == refused:
+        # a failed statement ends the query: its failure is the last result
+        last = results[-1] if results else None
+        if last is not None and last.status == _FATAL_ERROR:
+            error = psycopg.errors.error_from_result(last, encoding=conn.info.encoding)
+            if conn.broken:
+                raise psycopg.OperationalError(str(error) or "connection lost") from error
+            statement_failed = len(results) == (2 if opened else 1)  # not the COMMIT
+            if statement_failed and error.sqlstate == refused.decode():
                 conn.rollback()
                 return False
-            if conn.broken:
-                message = result.get_error_message(conn.info.encoding)
-                raise psycopg.OperationalError(message or "the connection to the server was lost")
-            raise psycopg.errors.error_from_result(result, encoding=conn.info.encoding)
+            raise error
+        if last is None or last.command_status != b"COMMIT":
+            ended = last.command_status if last is not None else None
+            raise psycopg.errors.TransactionRollback(
+                f"the transaction ended with {ended!r}, not COMMIT: nothing was committed"
+            )
         return True
 
 

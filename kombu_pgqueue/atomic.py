@@ -204,7 +204,7 @@ class Fence:
             return True
         # integers only: the ids are bound here, so that the statement needs no parse
         # of parameters, and the function's plan is the session's
-        query = b"%s(%d, %d); COMMIT" % (
+        query = b"%s(%d, %d)" % (
             self._ack_call,
             int(delivery.message_id),
             int(delivery.lease),

@@ -21,7 +21,7 @@ from kombu_pgqueue._ledger import Held
 from kombu_pgqueue._sql import queries
 from kombu_pgqueue._store import Outgoing, Store, new_lease
 from kombu_pgqueue.admin import parse_options
-from kombu_pgqueue.atomic import Delivery, Fence, Psycopg
+from kombu_pgqueue.atomic import Delivery, Fence, Psycopg, Transaction
 from kombu_pgqueue.exceptions import ServerUnavailable
 
 Later = Callable[[float], datetime]
@@ -91,50 +91,119 @@ def _has_work(db: psycopg.Connection, schema: str) -> bool:
     return bool(found and found[0])
 
 
-def test_settle_commits_the_work_and_the_ack_in_one(store, fence, db, schema):
+@pytest.fixture
+def begin(fence: Fence) -> Iterator[Callable[[], Transaction]]:
+    """``begin()``: a transaction of one :class:`Psycopg` source, as an attempt opens
+    it (a thread's connection, kept between attempts); closed after the test."""
+    source = Psycopg()
+    opened: list[psycopg.Connection] = []
+
+    def begin() -> Transaction:
+        transaction = source.begin(fence)
+        opened.append(transaction.handle)
+        return transaction
+
+    yield begin
+    for conn in opened:
+        conn.close()
+
+
+def _settle(fence: Fence, transaction: Transaction, delivery: Delivery) -> bool:
+    return fence.settle(transaction, fence.enlist(transaction.handle, check=False), delivery)
+
+
+def test_settle_commits_the_work_and_the_ack_in_one(store, fence, begin, db, schema):
     delivery = _claimed(store)
-    transaction = Psycopg().begin(fence)
+    transaction = begin()
     _work(transaction.handle, schema)
-    assert fence.settle(transaction, fence.enlist(transaction.handle, check=False), delivery)
+    assert _settle(fence, transaction, delivery)
     assert _count(db, schema) == 0 and _has_work(db, schema)
     assert transaction.handle.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
 
 
-def test_settle_of_a_lost_lease_rolls_the_work_back(store, fence, db, schema, later: Later):
+def test_settle_of_an_attempt_that_wrote_nothing_opens_its_transaction(
+    store, fence, begin, db, schema
+):
+    """No statement of the work opened the transaction: the ack opens it (no
+    "there is no transaction in progress" from the server for the COMMIT)."""
+    delivery = _claimed(store)
+    transaction = begin()
+    notices: list[str] = []
+    transaction.handle.add_notice_handler(lambda diag: notices.append(diag.message_primary or ""))
+    assert _settle(fence, transaction, delivery)
+    assert _count(db, schema) == 0
+    assert notices == []
+
+
+def test_settle_of_a_lost_lease_rolls_the_work_back(store, fence, begin, db, schema, later: Later):
     first = _claimed(store)
     [again] = store.claim("q", 1, new_lease(), now=later(61))
-    transaction = Psycopg().begin(fence)
+    transaction = begin()
     _work(transaction.handle, schema)
-    assert not fence.settle(transaction, fence.enlist(transaction.handle, check=False), first)
+    assert not _settle(fence, transaction, first)
     assert not _has_work(db, schema)
     assert _count(db, schema) == 1  # the other delivery's, untouched
     transaction.handle.execute("SELECT 1")  # the connection goes on
     transaction.close()
 
 
-def test_settle_refused_otherwise_raises_and_commits_nothing(store, fence, db, schema):
+def test_settle_refused_otherwise_raises_and_commits_nothing(store, fence, begin, db, schema):
     delivery = _claimed(store)
-    transaction = Psycopg().begin(fence)
+    transaction = begin()
     transaction.handle.execute("SET TRANSACTION READ ONLY")
     with pytest.raises(ServerUnavailable, match="read-only"):
-        fence.settle(transaction, fence.enlist(transaction.handle, check=False), delivery)
+        _settle(fence, transaction, delivery)
     transaction.close()
     assert _count(db, schema) == 1
     assert store.ack(delivery.message_id, delivery.lease)  # still this delivery's
 
 
-def test_settle_on_a_connection_that_died_raises_a_connection_error(store, fence, db, schema):
+def test_settle_whose_commit_fails_raises_and_commits_nothing(store, fence, begin, db, schema):
+    """The ack succeeds and the COMMIT fails: a deferred trigger of the work raises
+    no_data_found, the SQLSTATE of a lost lease. Not taken for one: an error, and the
+    work and the ack are rolled back."""
     delivery = _claimed(store)
-    source = Psycopg()
-    transaction = source.begin(fence)
+    transaction = begin()
+    ident = sql.Identifier(schema)
+    transaction.handle.execute(
+        sql.SQL(
+            "CREATE TABLE {}.deferred (n int); "
+            "CREATE FUNCTION {}.refuse() RETURNS trigger LANGUAGE plpgsql AS "
+            "$$ BEGIN RAISE no_data_found USING MESSAGE = 'refused at commit'; END $$; "
+            "CREATE CONSTRAINT TRIGGER refuse AFTER INSERT ON {}.deferred "
+            "DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION {}.refuse(); "
+            "INSERT INTO {}.deferred VALUES (1)"
+        ).format(ident, ident, ident, ident, ident)
+    )
+    with pytest.raises(psycopg.errors.NoDataFound, match="refused at commit"):
+        _settle(fence, transaction, delivery)
+    transaction.close()
+    assert _count(db, schema) == 1
+    assert store.ack(delivery.message_id, delivery.lease)  # still this delivery's
+
+
+@pytest.mark.parametrize("how", ["terminated", "timed out idle"])
+def test_settle_on_a_connection_that_died_raises_a_connection_error(
+    store, fence, begin, db, schema, how
+):
+    """The server ended the session (a terminate, 57P01; its idle-in-transaction
+    timeout, 25P03, which psycopg does not count as a connection error): an
+    OperationalError either way, which an atomic task takes as an unknown outcome."""
+    delivery = _claimed(store)
+    transaction = begin()
     _work(transaction.handle, schema)
-    db.execute("SELECT pg_terminate_backend(%s)", (transaction.handle.info.backend_pid,))
+    backend = transaction.handle.info.backend_pid
+    if how == "terminated":
+        db.execute("SELECT pg_terminate_backend(%s)", (backend,))
+    else:
+        transaction.handle.execute("SET idle_in_transaction_session_timeout = '50ms'")
+    gone = "SELECT count(*) = 0 FROM pg_stat_activity WHERE pid = %s"
+    wait_for(lambda: db.execute(gone, (backend,)).fetchone() == (True,), 30, "the session to end")
     with pytest.raises(psycopg.OperationalError):
-        fence.settle(transaction, fence.enlist(transaction.handle, check=False), delivery)
+        _settle(fence, transaction, delivery)
     transaction.close()
     assert _count(db, schema) == 1 and not _has_work(db, schema)
-    # the next attempt connects afresh
-    assert source.begin(fence).handle.execute("SELECT 1").fetchone() == (1,)
+    assert begin().handle.execute("SELECT 1").fetchone() == (1,)  # connects afresh
 
 
 class _Interrupted(Exception):
@@ -145,14 +214,13 @@ def _interrupt(signum: int, frame: object) -> None:
     raise _Interrupted
 
 
-def test_a_signal_interrupts_a_settle_that_waits(store, fence, db, schema, dsn):
+def test_a_signal_interrupts_a_settle_that_waits(store, fence, begin, db, schema, dsn):
     """A settle that waits for the server (here for a lock on its message row) is
-    interrupted by a signal, as any psycopg statement is (a soft time limit, Ctrl-C).
-    What was sent still ends on the server, as one transaction, and the next attempt
+    interrupted by a signal, as any psycopg statement is (a soft time limit, Ctrl-C):
+    the statement is cancelled on the server, nothing commits, and the next attempt
     gets a connection that works."""
     delivery = _claimed(store)
-    source = Psycopg()
-    transaction = source.begin(fence)
+    transaction = begin()
     _work(transaction.handle, schema)
     backend = transaction.handle.info.backend_pid
     interrupted = threading.Event()
@@ -164,33 +232,35 @@ def test_a_signal_interrupts_a_settle_that_waits(store, fence, db, schema, dsn):
 
         def interrupt() -> None:
             waiting = "SELECT wait_event_type = 'Lock' FROM pg_stat_activity WHERE pid = %s"
-            with psycopg.connect(dsn, autocommit=True) as watcher:
-                wait_for(
-                    lambda: watcher.execute(waiting, (backend,)).fetchone() == (True,),
-                    30,
-                    "the settle to wait for its row",
-                )
-            os.kill(os.getpid(), signal.SIGUSR1)
-            if not interrupted.wait(30):  # not interrupted: let it finish, and fail
-                locker.rollback()
+            try:
+                with psycopg.connect(dsn, autocommit=True) as watcher:
+                    wait_for(
+                        lambda: watcher.execute(waiting, (backend,)).fetchone() == (True,),
+                        30,
+                        "the settle to wait for its row",
+                    )
+                os.kill(os.getpid(), signal.SIGUSR1)
+            finally:
+                if not interrupted.wait(30):  # not interrupted: let it finish, and fail
+                    locker.rollback()
 
         previous = signal.signal(signal.SIGUSR1, _interrupt)
         sender = threading.Thread(target=interrupt)
         sender.start()
         try:
             with pytest.raises(_Interrupted):
-                fence.settle(transaction, fence.enlist(transaction.handle, check=False), delivery)
+                _settle(fence, transaction, delivery)
         finally:
             interrupted.set()
             sender.join()
             signal.signal(signal.SIGUSR1, previous)
-        transaction.close()  # its statement still runs on the server: closed
+        transaction.close()  # cancels what still runs on the server, and closes
+        gone = "SELECT count(*) = 0 FROM pg_stat_activity WHERE pid = %s"
+        wait_for(lambda: db.execute(gone, (backend,)).fetchone() == (True,), 30, "it to end")
         locker.rollback()
-    # the server ends what was sent: the work and the ack commit together, or neither
-    gone = "SELECT count(*) = 0 FROM pg_stat_activity WHERE pid = %s"
-    wait_for(lambda: db.execute(gone, (backend,)).fetchone() == (True,), 30, "its backend to end")
-    assert _has_work(db, schema) == (_count(db, schema) == 0)
-    assert source.begin(fence).handle.execute("SELECT 1").fetchone() == (1,)
+    assert _count(db, schema) == 1 and not _has_work(db, schema)
+    assert store.ack(delivery.message_id, delivery.lease)  # still this delivery's
+    assert begin().handle.execute("SELECT 1").fetchone() == (1,)
 
 
 def test_delivery_holder_says_when_the_message_is_gone(store, fence, app_conn):
