@@ -77,7 +77,7 @@ class PsycopgTransaction:
         elif not conn.closed and conn.pgconn.transaction_status != _IDLE:
             conn.rollback()
 
-    def run_and_commit(self, statement: bytes, refused: bytes) -> bool:
+    def run_and_commit(self, statement: bytes, refused: str) -> bool:
         """Run ``statement`` (no parameters) and COMMIT as one simple query, in the
         transaction (opened first if the work ran no statement); False, rolled back,
         when ``statement`` failed with SQLSTATE ``refused``; any other failure, or a
@@ -103,7 +103,7 @@ class PsycopgTransaction:
             if conn.broken:
                 raise psycopg.OperationalError(str(error) or "connection lost") from error
             statement_failed = len(results) == (2 if opened else 1)  # not the COMMIT
-            if statement_failed and error.sqlstate == refused.decode():
+            if statement_failed and error.sqlstate == refused:
                 conn.rollback()
                 return False
             raise error
@@ -118,7 +118,6 @@ class PsycopgTransaction:
 _IDLE = psycopg.pq.TransactionStatus.IDLE
 _ACTIVE = psycopg.pq.TransactionStatus.ACTIVE
 _FATAL_ERROR = psycopg.pq.ExecStatus.FATAL_ERROR
-_SQLSTATE = psycopg.pq.DiagnosticField.SQLSTATE
 
 
 # -- SQLAlchemy -----------------------------------------------------------------------------

@@ -231,7 +231,7 @@ class Fence:
 
 
 #: SQLSTATE of what ack_delivery raises when its fenced delete finds no row
-NO_ROW = b"P0002"  # no_data_found (psycopg.errors.NoDataFound)
+NO_ROW = "P0002"  # no_data_found (psycopg.errors.NoDataFound)
 
 
 # -- what the consumer is told ------------------------------------------------------------

@@ -1,5 +1,6 @@
-"""What a transaction's BEGIN and COMMIT cost a psycopg client, and whether psycopg's
-pipeline mode (the one way to send BEGIN with the first statement) buys it back.
+"""What a transaction's BEGIN and COMMIT cost a psycopg client, whether psycopg's
+pipeline mode (the one way to send BEGIN with the first statement) buys it back, and
+what the way its end is sent costs.
 
     python benchmarks/probes/begin_cost.py [N] [--rounds R]
 
@@ -11,7 +12,12 @@ INSERT, medians over the rounds:
   what an AtomicTask's body and ack are, the ack riding on the COMMIT);
 - ``pipeline-begin``: BEGIN and the INSERT in one pipeline sync, then COMMIT;
 - ``pipeline-all``: BEGIN, the INSERT and COMMIT in one pipeline;
-- ``autocommit``: the INSERT alone (one round trip: a plain task's write).
+- ``autocommit``: the INSERT alone (one round trip: a plain task's write);
+- ``end-cursor``: the end as a simple query ``SELECT 1; COMMIT`` through a cursor
+  (``conn.execute``: the shape of an AtomicTask's ack and COMMIT before 2026-11-27);
+- ``end-exec_``: the same through ``PGconn.exec_`` (blocking libpq);
+- ``end-send+wait``: the same sent with ``PGconn.send_query`` and waited for by
+  ``conn.wait`` (an AtomicTask's ack now: psycopg's own wait, which a signal interrupts).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import time
 from collections.abc import Callable
 
 import psycopg
+from psycopg import generators
 
 DSN = "host=127.0.0.1 dbname=test user=postgres"
 
@@ -55,11 +62,29 @@ def main() -> None:
             conn.execute(insert, (i,))
             conn.autocommit = False
 
+        end = b"SELECT 1; COMMIT"
+
+        def end_cursor(i: int) -> None:
+            conn.execute(insert, (i,))
+            conn.execute(end)
+
+        def end_exec(i: int) -> None:
+            conn.execute(insert, (i,))
+            conn.pgconn.exec_(end)
+
+        def end_send_wait(i: int) -> None:
+            conn.execute(insert, (i,))
+            conn.pgconn.send_query(end)
+            conn.wait(generators.execute(conn.pgconn))
+
         ways: dict[str, Callable[[int], None]] = {
             "transaction": transaction,
             "pipeline-begin": pipeline_begin,
             "pipeline-all": pipeline_all,
             "autocommit": autocommit,
+            "end-cursor": end_cursor,
+            "end-exec_": end_exec,
+            "end-send+wait": end_send_wait,
         }
         figures: dict[str, list[tuple[float, float]]] = {name: [] for name in ways}
         for _ in range(args.rounds):
