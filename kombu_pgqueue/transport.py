@@ -43,6 +43,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import kombu.exceptions
 from kombu.exceptions import ChannelError
 from kombu.transport import base, virtual
 from kombu.transport.virtual.base import Empty  # type: ignore[attr-defined]
@@ -327,8 +328,12 @@ class Transport(virtual.Transport):
     connection_errors = virtual.Transport.connection_errors + CONNECTION_ERRORS
     # Declared, so Kombu's ensure() follows a publish's retry policy through several
     # reconnects (without them it gives up once a reconnect succeeded and the error
-    # persists, which a read-only server or a failover makes the rule)
-    recoverable_connection_errors = connection_errors
+    # persists, which a read-only server or a failover makes the rule). Kombu's own
+    # OperationalError too: a publisher with no connection yet (new, or collected after
+    # a failed publish) connects inside the publish, through Connection.default_channel,
+    # whose loop gives up after connect_timeout (Celery's broker_connection_timeout, 4 s)
+    # and raises that class; not listed, it ends the publish before its policy began.
+    recoverable_connection_errors = connection_errors + (kombu.exceptions.OperationalError,)
     recoverable_channel_errors = ()
 
     def __init__(self, client: Any, **kwargs: Any) -> None:
