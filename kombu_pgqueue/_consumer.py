@@ -20,9 +20,9 @@ import psycopg
 
 from . import _counters, codec
 from ._claimer import Claimer
-from ._handoffs import late
+from ._handoffs import Replays, late
 from ._ledger import Held, Sink
-from ._listener import Listener, Wakeups, queue_token
+from ._listener import Listener, Wakeups
 from ._options import Options
 from ._resume import ResumePositions
 from ._store import Store, new_lease
@@ -55,6 +55,7 @@ class Consumer:
         self.pending: set[str] = set()
         #: messages publishes leased to this consumer, not yet delivered (see wake)
         self.handed: list[Handoff] = []
+        self._replays = Replays()
         #: queues with a claim in flight, and those woken meanwhile
         self._inflight: set[str] = set()
         self._renotified: set[str] = set()
@@ -293,15 +294,17 @@ class Consumer:
         """Deliver what publishes handed off to this consumer as claimed messages; hand
         back at once what it cannot take now: no room in its window (claims in flight
         counted), or the queue not consumed with acks (docs/lifecycle.md, "Wakeups")."""
-        handed, self.handed = self.handed, []
-        tokens = {queue_token(queue): queue for queue in self._subs}
+        now = time.time()
+        handed = [handoff for handoff in self.handed if self._replays.first(handoff, now)]
+        self.handed = []
+        tokens = self.listener.tokens if self.listener is not None else {}
         back: list[tuple[int, int]] = []
         error: BaseException | None = None
         for handoff in handed:
             queue = tokens.get(handoff.token, "")
             sub = self._subs.get(queue)
             takes = sub is not None and not sub.no_ack and has_room(sub.sink, self._state(sub.sink))
-            if error is not None or not takes or late(handoff, self.options, time.time()):
+            if error is not None or not takes or late(handoff, self.options, now):
                 back.append((handoff.row.id, handoff.lease))
                 _counters.add("handbacks", queue)
                 if sub is not None:

@@ -1,7 +1,14 @@
-"""A handoff as its NOTIFY carries it, and whether a consumer may still deliver it.
+"""A handoff as its NOTIFY carries it: sealed by the publishing client, opened by the
+consumer it is addressed to, and whether that consumer may still deliver it.
 
 A publish to a queue a consumer waits for leases the message to that consumer and sends
-it in the NOTIFY payload (statement ``publish``; docs/lifecycle.md, "Handoff").
+it in the NOTIFY payload (statement ``publish``; docs/lifecycle.md, "Handoff"). Any role
+that may connect may LISTEN on the channel, so the message travels sealed: AES-256-GCM
+(the ``cryptography`` package) under the schema's key (table ``handoff_key``, migration
+0010), which only roles granted the broker's tables may read. The publishing client
+seals before it knows whether anybody waits (its statement picks the consumer), which
+costs it a few microseconds; opening one costs the consumer as little, where fetching
+the row by its id instead would cost a round trip (benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -11,11 +18,61 @@ import binascii
 import hashlib
 import hmac
 import logging
+import os
+from collections import deque
+
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from ._options import Options
-from .records import Delivered, Handoff
+from .records import Delivered, Handoff, Outgoing
 
 logger = logging.getLogger(__name__)
+
+#: PostgreSQL refuses a NOTIFY payload of 8000 bytes or more
+NOTIFY_PAYLOAD_LIMIT = 8000
+
+#: the most the rest of a handoff's payload takes: 'h:', the consumer's id (16), the
+#: signature (32), the queue's token (16), the id, the lease, the lease end, and colons
+HANDOFF_OVERHEAD = 2 + 16 + 32 + 16 + 3 * 24 + 6
+
+#: AES-GCM's nonce and tag, in bytes
+_NONCE = 12
+_TAG = 16
+
+
+def _fields(message: Outgoing) -> list[bytes]:
+    texts = (message.content_type, message.content_encoding, message.headers, message.properties)
+    return [b"" if text is None else text.encode("utf-8") for text in texts]
+
+
+def sealed_size(message: Outgoing) -> int:
+    """How many characters :func:`seal` makes of ``message`` (base64 of the nonce, the
+    encrypted fields and body, and the tag)."""
+    head = 5 * 20  # the priority and four lengths, at most
+    size = _NONCE + head + sum(map(len, _fields(message))) + len(message.body) + _TAG
+    return 4 * -(-size // 3)
+
+
+def handoff_fits(message: Outgoing) -> bool:
+    """Whether ``message``, sealed, fits a NOTIFY payload."""
+    return HANDOFF_OVERHEAD + sealed_size(message) < NOTIFY_PAYLOAD_LIMIT
+
+
+def seal(box: AESGCM, message: Outgoing, lease: int) -> str:
+    """``message`` as a handoff carries it: ``<priority>:<lengths of content type,
+    content encoding ('-': None), headers, properties>:<those four><body>``, encrypted
+    under the schema's key with a random nonce, bound to ``lease`` (associated data),
+    in base64."""
+    fields = _fields(message)
+    lengths = [
+        "-" if text is None else str(len(field))
+        for text, field in zip((message.content_type, message.content_encoding), fields)
+    ] + [str(len(fields[2])), str(len(fields[3]))]
+    head = f"{int(message.priority)}:{':'.join(lengths)}:".encode("ascii")
+    nonce = os.urandom(_NONCE)
+    plain = b"".join([head, *fields, message.body])
+    return base64.b64encode(nonce + box.encrypt(nonce, plain, str(lease).encode())).decode()
 
 
 def signature(secret: str, message: str) -> str:
@@ -25,32 +82,37 @@ def signature(secret: str, message: str) -> str:
     return hashlib.sha256(signed).hexdigest()[:32]
 
 
-def parse_handoff(rest: str, secret: str) -> Handoff | None:
+def parse_handoff(rest: str, secret: str, box: AESGCM | None) -> Handoff | None:
     """A handoff's payload after ``h:<consumer>:`` (as statement publish writes it):
-    ``<signature>:<token>:<id>:<lease>:<lease end>:<priority>:<lengths of content type,
-    content encoding ('-': None), headers, properties>:<those four><body in base64>``;
-    None if malformed or not signed with ``secret`` (a forgery: any role that may connect
-    may NOTIFY)."""
+    ``<signature>:<token>:<id>:<lease>:<lease end>:<sealed message>``; None if
+    malformed, not signed with ``secret`` (any role that may connect may NOTIFY, and
+    may read a handoff meant for another consumer), or not sealed with the key of
+    ``box``."""
     sent, _, rest = rest.partition(":")
-    if not secret or not hmac.compare_digest(sent, signature(secret, rest)):
+    if box is None or not secret or not hmac.compare_digest(sent, signature(secret, rest)):
         return None
-    parts = rest.split(":", 9)
-    if len(parts) != 10:
+    parts = rest.split(":", 4)
+    if len(parts) != 5:
         return None
-    token, id_, lease, until, priority, *lengths, data = parts
+    token, id_, lease, until, sealed = parts
     try:
-        sizes = [-1 if n == "-" else int(n) for n in lengths]
+        raw = base64.b64decode(sealed, validate=True)
+        plain = box.decrypt(raw[:_NONCE], raw[_NONCE:], lease.encode())
+        *head, data = plain.split(b":", 5)
+        if len(head) != 5:
+            return None
+        priority = int(head[0])
+        sizes = [-1 if n == b"-" else int(n) for n in head[1:]]
         texts: list[str | None] = []
         at = 0
         for size in sizes:
-            texts.append(None if size < 0 else data[at : at + max(size, 0)])
+            texts.append(None if size < 0 else data[at : at + size].decode("utf-8"))
             at += max(size, 0)
-        body = base64.b64decode(data[at:], validate=True)
         row = Delivered(
-            int(id_), int(priority), 1, body, texts[0], texts[1], texts[2] or "", texts[3] or ""
+            int(id_), priority, 1, data[at:], texts[0], texts[1], texts[2] or "", texts[3] or ""
         )
         return Handoff(token, int(lease), float(until), row)
-    except (ValueError, binascii.Error):
+    except (ValueError, binascii.Error, InvalidTag):
         return None
 
 
@@ -74,3 +136,32 @@ def late(handoff: Handoff, options: Options, now: float) -> bool:
         left,
     )
     return True
+
+
+class Replays:
+    """The handoffs a consumer took, until their leases end: any role that may connect
+    reads a handoff on the channel and may NOTIFY it again, signed and sealed as it is;
+    delivered twice, its task would run twice. A replay read after the lease ended is
+    refused by :func:`late` (and cannot be acked); one before is refused here."""
+
+    def __init__(self) -> None:
+        self._taken: set[tuple[int, int]] = set()
+        #: (lease end, (id, lease)), in the order taken: lease ends grow with it
+        self._ends: deque[tuple[float, tuple[int, int]]] = deque()
+
+    def first(self, handoff: Handoff, now: float) -> bool:
+        """Whether ``handoff`` (read at ``now``, epoch seconds) was not taken before;
+        from now on it was."""
+        while self._ends and self._ends[0][0] < now:
+            self._taken.discard(self._ends.popleft()[1])
+        key = (handoff.row.id, handoff.lease)
+        if key in self._taken:
+            logger.warning(
+                "pgqueue: ignoring message %s handed off again with the same lease (a "
+                "notification replayed by a role that may connect)",
+                handoff.row.id,
+            )
+            return False
+        self._taken.add(key)
+        self._ends.append((handoff.until, key))
+        return True

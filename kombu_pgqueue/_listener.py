@@ -2,17 +2,18 @@
 
 Publishers send ``pg_notify(<schema>.notify, payload)`` in the statement that makes
 rows visible. Payloads are ``r:<token>`` (messages are ready in the queue of that
-token, see :func:`queue_token`), ``d:<epoch>`` (a delayed message falls due then), or
+token: a random one per queue, column ``queue.token``, which the watch statement
+returns), ``d:<epoch>`` (a delayed message falls due then), or
 ``h:<consumer>:<signature>:...`` (a message the publish leased to that consumer: a
 handoff, see :func:`~._handoffs.parse_handoff`). Any role that may connect can LISTEN
-on the channel, or NOTIFY on it: payloads name no queue, and a wakeup that was not a
-publisher's only costs a claim that finds nothing. A handoff's payload holds the
-message itself: such a role reads it, but cannot forge one: it is signed with a secret
-of the consumer's that only roles that may read table ``waiter`` (which may publish
-anyway) can read.
+on the channel, or NOTIFY on it, so no payload names a queue or holds a message: a
+handoff's message is sealed with the schema's key (table ``handoff_key``), and signed
+for its consumer with a secret of that consumer's (table ``listener``); only roles
+granted the broker's tables may read either. A wakeup that was not a publisher's only
+costs a claim that finds nothing.
 
-Each session registers as a *waiter* (table ``waiter``, migration 0009) of the queues it
-watches and may take handed-off messages from, under a new consumer id per session,
+Each session registers as a *waiter* (table ``listener``, migration 0010) of the queues
+it watches and may take handed-off messages from, under a new consumer id per session,
 and holds a lock that marks it alive while it lasts.
 
 Publishers notify only queues that somebody waits for: the listening session *watches*
@@ -32,6 +33,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import psycopg
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from psycopg import sql
 
 from . import _pool, _sql
@@ -46,9 +48,10 @@ logger = logging.getLogger(__name__)
 BARRIER_TIMEOUT_MS = 2000
 
 
-def queue_token(queue: str) -> str:
-    """The opaque id of ``queue`` in notifications: as the statements compute it,
-    ``left(md5(convert_to(queue, 'UTF8')), 16)``."""
+def legacy_token(queue: str) -> str:
+    """How publishers before migration 0010 name ``queue`` in their wakeups,
+    ``left(md5(convert_to(queue, 'UTF8')), 16)``: recognised during a rolling upgrade
+    (never sent), until the migration that drops table waiter."""
     return hashlib.md5(queue.encode("utf-8"), usedforsecurity=False).hexdigest()[:16]
 
 
@@ -62,9 +65,10 @@ class Wakeups:
     queues: set[str] = field(default_factory=set)
     due: float | None = None
     #: this session's consumer id (handoffs addressed to it are ours, if signed with
-    #: its secret)
+    #: its secret and sealed with the schema's key)
     consumer: str = ""
     secret: str = ""
+    box: AESGCM | None = None
     handoffs: list[Handoff] = field(default_factory=list)
 
     def add(self, payload: str) -> None:
@@ -72,13 +76,13 @@ class Wakeups:
         if kind == "h":
             consumer, _, rest = rest.partition(":")
             if consumer and consumer == self.consumer:
-                handoff = parse_handoff(rest, self.secret)
+                handoff = parse_handoff(rest, self.secret, self.box)
                 if handoff is not None:
                     self.handoffs.append(handoff)
                 else:
                     logger.warning(
-                        "pgqueue: ignoring a handoff that is malformed or not signed with "
-                        "this consumer's secret: %.80r",
+                        "pgqueue: ignoring a handoff that is malformed, not signed with "
+                        "this consumer's secret or not sealed with the schema's key: %.40r",
                         payload,
                     )
         elif kind == "r":
@@ -108,12 +112,16 @@ class Listener:
         self.conn: psycopg.Connection | None = None
         self._pid = os.getpid()
         self._q = _sql.queries(options.schema)
-        #: the queues this session watches (holds the waiting lock of), by token
+        #: the queues this session watches (holds the waiting lock of) -> their tokens
         self.watched: dict[str, str] = {}
+        #: token (and legacy token) -> queue, of every queue this session watched (a
+        #: handoff may arrive after its queue was unwatched)
+        self.tokens: dict[str, str] = {}
         #: this session's id as a waiter, and the secret that signs its handoffs (new
-        #: ones per session)
+        #: ones per session); the schema's key, which opens them (None: not readable)
         self.consumer = ""
         self.secret = ""
+        self.box: AESGCM | None = None
         #: queues consumed without acks: no handoffs (a take deletes what it hands out)
         self.no_ack: set[str] = set()
 
@@ -125,7 +133,7 @@ class Listener:
         # (after a fork the parent's session is not ours to use, nor to close)
         self.conn = _pool.listening(self.conninfo, self.options)
         self._pid = os.getpid()
-        queues, self.watched = self.watched, {}
+        queues, self.watched, self.tokens = self.watched, {}, {}
         try:
             self.conn.execute(
                 sql.SQL("SET lock_timeout = {}").format(sql.Literal(BARRIER_TIMEOUT_MS))
@@ -133,27 +141,48 @@ class Listener:
             consumer = secrets.token_hex(8)
             self.conn.execute(self._q["listener_alive"], {"consumer": consumer})
             self.consumer, self.secret = consumer, secrets.token_hex(16)
-            self.watch(queues.values())
+            self.box = self._open_box() if self.options.handoff else None
+            self.watch(queues)
         except BaseException:  # the next open() tries again, and watches them all
             self.watched.update(queues)
             self.close()
             raise
         return True
 
+    def _open_box(self) -> AESGCM | None:
+        """The schema's handoff key, on this session; None (no handoffs, said in the
+        log) for a role that may not read it."""
+        assert self.conn is not None
+        try:
+            row = self.conn.execute(self._q["handoff_key"]).fetchone()
+        except psycopg.errors.InsufficientPrivilege as exc:
+            logger.warning(
+                "pgqueue: this consumer takes no handoffs: its role may not read table "
+                "%s.handoff_key (%s); grant it as docs/operations.md says",
+                self.options.schema,
+                exc.diag.message_primary,
+            )
+            return None
+        return None if row is None else AESGCM(bytes(row[0]))
+
     def watch(self, queues: Iterable[str]) -> Wakeups:
         """From now on, publishes to ``queues`` notify; those that looked before have
         committed when this returns (or, if they take longer than BARRIER_TIMEOUT_MS,
         the safety poll finds them). Returns what was notified meanwhile, and the
         queues newly watched as if notified: claim from them once more."""
-        new = sorted(set(queues) - set(self.watched.values()))
+        new = sorted(set(queues) - set(self.watched))
         if not new or self.conn is None:
-            return Wakeups(self.watched)
+            return Wakeups(self.tokens)
         params = {"channel": self.options.channel, "queues": new}
-        takes = [q for q in new if q not in self.no_ack] if self.options.handoff else []
+        takes = [q for q in new if q not in self.no_ack] if self.box is not None else []
         waiter = {"takes": takes, "consumer": self.consumer, "secret": self.secret}
         lease = {"lease_seconds": self.options.visibility_timeout}
-        self.conn.execute(self._q["watch"], {**params, **waiter, **lease})
-        self.watched.update((queue_token(queue), queue) for queue in new)
+        rows = self.conn.execute(self._q["watch"], {**params, **waiter, **lease}).fetchall()
+        for queue, token, _ in rows:
+            self.watched[queue] = token
+            self.tokens[legacy_token(queue)] = queue
+            if token:
+                self.tokens[token] = queue
         try:
             self.conn.execute(self._q["watch_barrier"], params)
         except (psycopg.errors.LockNotAvailable, psycopg.errors.DeadlockDetected) as exc:
@@ -170,7 +199,7 @@ class Listener:
         sharing a WAL flush). Once drained (not ``pending``), it is watched again.
         Returns what the statements' results brought along (see :meth:`watch`), or
         None when nothing changed."""
-        watched = queue_token(queue) in self.watched
+        watched = queue in self.watched
         if backlog:
             return self.unwatch([queue]) if watched else None
         return None if pending or watched else self.watch([queue])
@@ -178,11 +207,11 @@ class Listener:
     def unwatch(self, queues: Iterable[str]) -> Wakeups:
         """Publishes to ``queues`` need not notify for this consumer any more. Returns
         what was notified meanwhile (the socket's readiness went to the statement)."""
-        gone = sorted(set(self.watched.values()).intersection(queues))
+        gone = sorted(set(self.watched).intersection(queues))
         for queue in gone:
-            del self.watched[queue_token(queue)]
+            del self.watched[queue]
         if not gone or self.conn is None or self.conn.closed:
-            return Wakeups(self.watched)
+            return Wakeups(self.tokens)
         params = {"channel": self.options.channel, "queues": gone, "consumer": self.consumer}
         self.conn.execute(self._q["unwatch"], params)
         return self.drain()
@@ -194,7 +223,7 @@ class Listener:
     def wait(self, timeout: float | None) -> Wakeups:
         """Block up to ``timeout`` seconds for notifications; return all that came."""
         assert self.conn is not None
-        found = Wakeups(self.watched, consumer=self.consumer, secret=self.secret)
+        found = Wakeups(self.tokens, consumer=self.consumer, secret=self.secret, box=self.box)
         for notify in self.conn.notifies(timeout=timeout, stop_after=1):
             found.add(notify.payload)
         if found:
@@ -210,7 +239,7 @@ class Listener:
         if self.conn is not None and not self.conn.closed and self._pid == os.getpid():
             # stop being picked (a gone session's rows are removed by the next watch)
             with contextlib.suppress(psycopg.Error):
-                queues = list(self.watched.values())
+                queues = list(self.watched)
                 params = {"channel": self.options.channel, "consumer": self.consumer}
                 self.conn.execute(self._q["unwatch"], {**params, "queues": queues})
         conn, self.conn = self.conn, None

@@ -7,16 +7,20 @@ a transaction open between calls, so acks may come from any thread.
 
 from __future__ import annotations
 
+import logging
 import secrets
 from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
 import psycopg
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from . import _pool, _sql, transactions
 from ._connected import Connected
 from ._copy import load_staged
+from ._handoffs import handoff_fits, seal
+from .exceptions import PrivilegeError
 from .records import (
     STAGING_COLUMNS,
     ClaimRequest,
@@ -38,27 +42,14 @@ def new_lease() -> int:
     return secrets.randbits(62) + 1
 
 
-#: PostgreSQL refuses a NOTIFY payload of 8000 bytes or more
-NOTIFY_PAYLOAD_LIMIT = 8000
-
-#: the most the fixed part of a handoff's payload takes: 'h:', the consumer's id, the
-#: signature (32) and the queue's token (16), the id, lease, lease end and priority,
-#: four lengths, and colons
-HANDOFF_OVERHEAD = 2 + 16 + 32 + 16 + 4 * 24 + 4 * 11 + 11
-
-
-def handoff_fits(message: Outgoing) -> bool:
-    """Whether ``message`` may be handed off: its NOTIFY payload (body in base64) fits."""
-    size = HANDOFF_OVERHEAD + 4 * -(-len(message.body) // 3)
-    for text in (message.content_type, message.content_encoding):
-        if text:
-            size += len(text.encode("utf-8"))
-    size += len(message.headers.encode("utf-8")) + len(message.properties.encode("utf-8"))
-    return size < NOTIFY_PAYLOAD_LIMIT
+logger = logging.getLogger(__name__)
 
 
 class Store(Connected):
     """Typed access to one pgqueue schema: one method per named statement."""
+
+    #: the schema's handoff key as an AESGCM (False: not readable here); see sealer
+    _sealer: AESGCM | bool | None = None
 
     # -- publishing --------------------------------------------------------------
 
@@ -90,12 +81,30 @@ class Store(Connected):
         }
 
     def _handoff_params(self, message: Outgoing) -> dict[str, Any]:
-        """Whether the publish may lease ``message`` to a waiting consumer, and the lease
-        it would take (see the top of sql/queries.sql)."""
-        return {
-            "handoff": self.options.handoff and handoff_fits(message),
-            "lease": new_lease(),
-        }
+        """Whether the publish may lease ``message`` to a waiting consumer, the lease it
+        would take, and the message sealed for the NOTIFY (see the top of
+        sql/queries.sql). Not in an application's transaction, which notifies at its
+        commit and hands nothing off."""
+        lease = new_lease()
+        box = None
+        if self.options.handoff and handoff_fits(message) and transactions.current() is None:
+            box = self.sealer()
+        sealed = None if box is None else seal(box, message, lease)
+        return {"handoff": sealed is not None, "sealed": sealed, "lease": lease}
+
+    def sealer(self) -> AESGCM | None:
+        """What seals and opens handoffs: the schema's key (migration 0010), read once;
+        None (and handoffs off, said once in the log) for a role that may not read it."""
+        if self._sealer is None:
+            try:
+                row = self._one("handoff_key", {})
+            except PrivilegeError as exc:
+                logger.warning("pgqueue: handoffs off in this process: %s", exc)
+                self._sealer = False
+                return None
+            assert row is not None
+            self._sealer = AESGCM(bytes(row[0]))
+        return self._sealer if isinstance(self._sealer, AESGCM) else None
 
     def publish_many(self, messages: Sequence[Outgoing]) -> int:
         """Store many messages in one transaction; return how many were inserted."""

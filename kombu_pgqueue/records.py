@@ -76,7 +76,7 @@ class Delivered:
 class Handoff:
     """A message a publish leased to this consumer, as its NOTIFY carried it."""
 
-    #: the queue's token (see ``_listener.queue_token``)
+    #: the queue's token (column ``queue.token``, see ``_listener``)
     token: str
     lease: int
     #: when the lease ends (epoch seconds, the server's clock)

@@ -44,7 +44,7 @@ def _publisher(dsn: str, variant: str, seconds: float, barrier: Any, out: Any) -
 
     from benchmarks.scale import without_notify
     from kombu_pgqueue import _sql
-    from kombu_pgqueue._listener import queue_token
+    from kombu_pgqueue._listener import legacy_token
     from kombu_pgqueue._options import notify_channel
     from kombu_pgqueue.records import Outgoing
 
@@ -53,7 +53,7 @@ def _publisher(dsn: str, variant: str, seconds: float, barrier: Any, out: Any) -
     query = sql.SQL(text).format(schema=sql.Identifier(SCHEMA))
     wake = "SELECT set_config('synchronous_commit', 'off', true), pg_notify(%s, %s)"
     channel = notify_channel(SCHEMA)
-    payload = "r:" + queue_token(QUEUE)
+    payload = "r:" + legacy_token(QUEUE)
     message = Outgoing(
         queue=QUEUE,
         body=b'{"id": 0, "payload": "' + b"x" * 64 + b'"}',

@@ -19,19 +19,22 @@
 -- delayed message always notifies its due time ('d:'): every consumer, waiting or busy,
 -- promotes due messages of the queues it consumes.
 --
--- Handoff: a consumer that waits for a queue also has a row in table waiter (statement
--- watch; migration 0009). A publish with gate and %(handoff)s picks one live waiter
--- (CTE picked), leases the new row to it as a claim would, and the NOTIFY
--- carries the message to that consumer ('h:<consumer>:...'), which delivers it with no
--- claim, or hands it back at once (statement release) if it cannot take it now.
+-- Handoff: a consumer that waits for a queue also has a row in table listener
+-- (statement watch; migrations 0009, 0010). A publish with gate and %(handoff)s picks one
+-- live waiter (CTE picked), leases the new row to it as a claim would, and the NOTIFY
+-- tells that consumer ('h:<consumer>:...'), which delivers it with no claim, or hands it
+-- back at once (statement release) if it cannot take it now. Any role that may connect
+-- may LISTEN, so no payload holds a queue's name or a message: queues appear as their
+-- random token (column queue.token), and a handed-off message as %(sealed)s, sealed by
+-- the publishing client with the schema's key (table handoff_key; _handoffs.seal).
 
 -- name: publish :one
--- One message. A due message wakes consumers ('r:' + the queue's token: the first 16
--- hex digits of the MD5 of its name, so a role that may LISTEN learns no queue names);
--- a delayed one tells them when it falls due ('d:' + epoch seconds), so they can sleep
--- until then. With %(handoff)s (set by the client: the message fits a NOTIFY payload)
--- and a consumer waiting, it is leased to that consumer as a claim
--- would (%(lease)s, attempts 1) and the NOTIFY carries it ('h:', see payload below).
+-- One message. A due message wakes consumers ('r:' + the queue's token, column
+-- queue.token: random, so a role that may LISTEN learns no queue names); a delayed one
+-- tells them when it falls due ('d:' + epoch seconds), so they can sleep until then.
+-- With %(handoff)s (set by the client: %(sealed)s holds the message and fits a NOTIFY
+-- payload) and a consumer waiting, it is leased to that consumer as a claim would
+-- (%(lease)s, attempts 1) and the NOTIFY hands it over ('h:', see payload below).
 -- A message whose dedup key is taken is skipped (no row returned), or, with
 -- %(replace)s, replaces the waiting one; one that a consumer holds is never replaced.
 WITH wanted AS MATERIALIZED (
@@ -50,7 +53,7 @@ picked AS MATERIALIZED (
     CROSS JOIN LATERAL (
         (
             SELECT w.consumer, w.lease_seconds, w.secret
-            FROM {schema}.waiter AS w
+            FROM {schema}.listener AS w
             WHERE w.queue = %(queue)s
               -- a sub-select, evaluated once: an index condition (random() is not)
               AND w.consumer >= (SELECT left(md5(random()::text), 16))
@@ -60,7 +63,7 @@ picked AS MATERIALIZED (
         UNION ALL
         (
             SELECT w.consumer, w.lease_seconds, w.secret
-            FROM {schema}.waiter AS w
+            FROM {schema}.listener AS w
             WHERE w.queue = %(queue)s
             ORDER BY w.consumer
             LIMIT 1
@@ -145,33 +148,20 @@ SELECT
             || ':' || handoff.message
         )
         WHEN target.consumer = '' THEN pg_notify(
-            %(channel)s, 'r:' || left(md5(convert_to(%(queue)s, 'UTF8')), 16)
+            %(channel)s, 'r:' || coalesce((SELECT t.token FROM {schema}.queue AS t WHERE t.name = %(queue)s), '')
         )
     END
 FROM inserted
 CROSS JOIN target
 CROSS JOIN LATERAL (
-    -- <token>:<id>:<lease>:<lease end, epoch>:<priority>:<lengths of content type,
-    -- content encoding ('-': NULL), headers, properties>:<those four><body in base64>;
-    -- the client checked that the payload stays under NOTIFY's 8000 bytes. %(handoff)s
-    -- first: with the parameters' values known (a custom plan), the planner folds this
-    -- expression of parameters into a constant unless a constant false guards it, so it
-    -- would encode every body, however large, in base64 while planning
+    -- <token>:<id>:<lease>:<lease end, epoch>:<the message, sealed by the client>; the
+    -- client checked that the payload stays under NOTIFY's 8000 bytes
     SELECT CASE WHEN %(handoff)s::boolean AND inserted.lease IS NOT NULL THEN
-        left(md5(convert_to(%(queue)s, 'UTF8')), 16)
+        coalesce((SELECT t.token FROM {schema}.queue AS t WHERE t.name = %(queue)s), '')
             || ':' || inserted.id
             || ':' || inserted.lease
             || ':' || extract(EPOCH FROM inserted.next_iteration)
-            || ':' || %(priority)s::smallint
-            || ':' || coalesce(length(%(content_type)s::text)::text, '-')
-            || ':' || coalesce(length(%(content_encoding)s::text)::text, '-')
-            || ':' || length(%(headers)s::text)
-            || ':' || length(%(properties)s::text)
-            || ':' || coalesce(%(content_type)s::text, '')
-            || coalesce(%(content_encoding)s::text, '')
-            || %(headers)s::text
-            || %(properties)s::text
-            || translate(encode(%(body)s::bytea, 'base64'), E'\n', '')
+            || ':' || %(sealed)s::text
     END AS message
 ) AS handoff;
 
@@ -220,7 +210,7 @@ wake AS (
         queue,
         CASE WHEN delayed
             THEN 'd:' || extract(EPOCH FROM min(next_iteration) FILTER (WHERE delayed) OVER ())::text
-            ELSE 'r:' || left(md5(convert_to(queue, 'UTF8')), 16)
+            ELSE 'r:' || coalesce((SELECT t.token FROM {schema}.queue AS t WHERE t.name = queue), '')
         END AS payload
     FROM inserted
 )
@@ -261,7 +251,7 @@ picked AS MATERIALIZED (
     CROSS JOIN LATERAL (
         (
             SELECT w.consumer, w.lease_seconds, w.secret
-            FROM {schema}.waiter AS w
+            FROM {schema}.listener AS w
             WHERE w.queue = wanted.queue
               -- a sub-select, evaluated once: an index condition (random() is not)
               AND w.consumer >= (SELECT left(md5(random()::text), 16))
@@ -271,7 +261,7 @@ picked AS MATERIALIZED (
         UNION ALL
         (
             SELECT w.consumer, w.lease_seconds, w.secret
-            FROM {schema}.waiter AS w
+            FROM {schema}.listener AS w
             WHERE w.queue = wanted.queue
             ORDER BY w.consumer
             LIMIT 1
@@ -337,7 +327,7 @@ SELECT
             || ':' || handoff.message
         )
         WHEN waiting.consumer = '' THEN pg_notify(
-            %(channel)s, 'r:' || left(md5(convert_to(inserted.queue, 'UTF8')), 16)
+            %(channel)s, 'r:' || coalesce((SELECT t.token FROM {schema}.queue AS t WHERE t.name = inserted.queue), '')
         )
     END
 FROM inserted
@@ -345,20 +335,11 @@ JOIN waiting ON waiting.queue = inserted.queue
 CROSS JOIN LATERAL (
     -- as publish's (%(handoff)s first, as there)
     SELECT CASE WHEN %(handoff)s::boolean AND inserted.lease IS NOT NULL THEN
-        left(md5(convert_to(inserted.queue, 'UTF8')), 16)
+        coalesce((SELECT t.token FROM {schema}.queue AS t WHERE t.name = inserted.queue), '')
             || ':' || inserted.id
             || ':' || inserted.lease
             || ':' || extract(EPOCH FROM inserted.next_iteration)
-            || ':' || %(priority)s::smallint
-            || ':' || coalesce(length(%(content_type)s::text)::text, '-')
-            || ':' || coalesce(length(%(content_encoding)s::text)::text, '-')
-            || ':' || length(%(headers)s::text)
-            || ':' || length(%(properties)s::text)
-            || ':' || coalesce(%(content_type)s::text, '')
-            || coalesce(%(content_encoding)s::text, '')
-            || %(headers)s::text
-            || %(properties)s::text
-            || translate(encode(%(body)s::bytea, 'base64'), E'\n', '')
+            || ':' || %(sealed)s::text
     END AS message
 ) AS handoff
 -- no binding matched at all (not: every copy was a duplicate): one row, queue NULL
@@ -503,7 +484,7 @@ WHERE id = %(id)s
   AND (SELECT set_config('synchronous_commit',
                          coalesce(%(synchronous_commit)s, current_setting('synchronous_commit')),
                          true)) IS NOT NULL
-RETURNING id, pg_notify(%(channel)s, 'r:' || left(md5(convert_to(queue, 'UTF8')), 16));
+RETURNING id, pg_notify(%(channel)s, 'r:' || coalesce((SELECT t.token FROM {schema}.queue AS t WHERE t.name = queue), ''));
 
 -- name: release :many
 -- A consumer hands back what it held. Messages it never handed to its callback
@@ -526,7 +507,7 @@ WITH released AS (
                              true)) IS NOT NULL
     RETURNING m.queue
 )
-SELECT released_queue.queue, pg_notify(%(channel)s, 'r:' || left(md5(convert_to(released_queue.queue, 'UTF8')), 16))
+SELECT released_queue.queue, pg_notify(%(channel)s, 'r:' || coalesce((SELECT t.token FROM {schema}.queue AS t WHERE t.name = released_queue.queue), ''))
 FROM (SELECT DISTINCT queue FROM released) AS released_queue;
 
 -- name: bury :one
@@ -591,7 +572,7 @@ promoted AS (
     RETURNING m.queue
 ),
 woken AS MATERIALIZED (
-    SELECT promoted_queue.queue, pg_notify(%(channel)s, 'r:' || left(md5(convert_to(promoted_queue.queue, 'UTF8')), 16))
+    SELECT promoted_queue.queue, pg_notify(%(channel)s, 'r:' || coalesce((SELECT t.token FROM {schema}.queue AS t WHERE t.name = promoted_queue.queue), ''))
     FROM (SELECT DISTINCT queue FROM promoted) AS promoted_queue
 ),
 touched AS (
@@ -798,7 +779,7 @@ inserted AS (
     ORDER BY id
     RETURNING queue
 )
-SELECT revived_queue.queue, pg_notify(%(channel)s, 'r:' || left(md5(convert_to(revived_queue.queue, 'UTF8')), 16))
+SELECT revived_queue.queue, pg_notify(%(channel)s, 'r:' || coalesce((SELECT t.token FROM {schema}.queue AS t WHERE t.name = revived_queue.queue), ''))
 FROM (SELECT DISTINCT queue FROM inserted) AS revived_queue;
 
 -- name: purge_dead :one
@@ -916,7 +897,7 @@ COPY {schema}.message (
 -- Wake consumers of queues that a direct COPY filled; sent at commit.
 SELECT
     CASE WHEN {schema}.notify_wanted(%(channel)s, ready.queue, %(gate)s)
-    THEN pg_notify(%(channel)s, 'r:' || left(md5(convert_to(ready.queue, 'UTF8')), 16)) END
+    THEN pg_notify(%(channel)s, 'r:' || coalesce((SELECT t.token FROM {schema}.queue AS t WHERE t.name = ready.queue), '')) END
 FROM unnest(%(queues)s::text[]) AS ready (queue);
 
 -- name: publish_staged :many
@@ -952,7 +933,7 @@ wake AS (
         queue,
         CASE WHEN delayed
             THEN 'd:' || extract(EPOCH FROM min(next_iteration) FILTER (WHERE delayed) OVER ())::text
-            ELSE 'r:' || left(md5(convert_to(queue, 'UTF8')), 16)
+            ELSE 'r:' || coalesce((SELECT t.token FROM {schema}.queue AS t WHERE t.name = queue), '')
         END AS payload
     FROM inserted
 )
@@ -1004,24 +985,33 @@ WHERE d.datname = current_database();
 -- until the session ends (see statement publish, migration 0009).
 SELECT pg_advisory_lock(1885827395, hashtext(%(consumer)s::text));
 
--- name: watch :none
+-- name: handoff_key :one
+-- The schema's key, which seals handoffs (migration 0010; _handoffs.seal): read once by
+-- each publishing store and each LISTEN session.
+SELECT key FROM {schema}.handoff_key;
+
+-- name: watch :many
 -- A consumer's LISTEN session starts waiting for these queues: publishes to them notify
 -- from now on (see the top of this file). Session locks, gone with the session. Of
 -- %(takes)s (those it may take a handed-off message from) it becomes a waiter, and
--- removes the waiters of these queues whose session is gone on the way.
+-- removes the waiters of these queues whose session is gone on the way. Returns each
+-- queue's token, its name in notifications ('' for a queue not declared).
 WITH gone AS (
-    DELETE FROM {schema}.waiter AS w
+    DELETE FROM {schema}.listener AS w
     WHERE w.queue = ANY(%(queues)s::text[])
       AND w.consumer <> %(consumer)s
       AND pg_try_advisory_xact_lock_shared(1885827395, hashtext(w.consumer))
 ),
 joined AS (
-    INSERT INTO {schema}.waiter (queue, consumer, lease_seconds, secret)
+    INSERT INTO {schema}.listener (queue, consumer, lease_seconds, secret)
     SELECT DISTINCT q.name, %(consumer)s, %(lease_seconds)s::float8, %(secret)s
     FROM unnest(%(takes)s::text[]) AS q (name)
     ON CONFLICT DO NOTHING
 )
-SELECT pg_advisory_lock_shared(1885827415, hashtext(%(channel)s::text || ':' || q.name))
+SELECT
+    q.name,
+    coalesce((SELECT t.token FROM {schema}.queue AS t WHERE t.name = q.name), ''),
+    pg_advisory_lock_shared(1885827415, hashtext(%(channel)s::text || ':' || q.name))
 FROM unnest(%(queues)s::text[]) AS q (name);
 
 -- name: watch_barrier :none
@@ -1038,7 +1028,7 @@ FROM (
 -- name: unwatch :none
 -- The consumer no longer waits for these queues (it has a backlog, or stopped).
 WITH stopped AS (
-    DELETE FROM {schema}.waiter
+    DELETE FROM {schema}.listener
     WHERE consumer = %(consumer)s
       AND queue = ANY(%(queues)s::text[])
 )

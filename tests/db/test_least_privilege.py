@@ -268,7 +268,8 @@ def test_the_documented_grants_cover_every_table_and_only_read_the_migration_rec
                 " has_table_privilege(%(who)s, %(t)s, 'TRUNCATE')",
                 {"who": who, "t": qualified},
             ).fetchone()
-            writes = table != "schema_migration"
+            # the applied versions, and the key that seals handoffs: read only
+            writes = table not in ("schema_migration", "handoff_key")
             assert row == (True, writes, writes, writes, False), (table, who)
 
 
@@ -363,3 +364,49 @@ def test_the_documented_migrate_command_works_and_hides_the_password(dsn: str) -
     done = _migrate_command("migrate", "--dsn", url, "--schema", "pgq_never")
     assert SECRET not in done.stdout + done.stderr
     assert done.returncode == 2, done.stderr  # refused by the server, not by argparse
+
+
+def test_an_upgrade_to_0010_grants_its_tables_to_the_roles_granted_waiter(
+    roles: Roles, db: psycopg.Connection, schema: str
+) -> None:
+    """The grants made for version 9 (waiter, not listener or handoff_key) keep workers
+    handing off after the upgrade: the migration grants its own tables."""
+    owner = roles.dsn_for(roles.owner)
+    with psycopg.connect(owner, autocommit=True) as conn:  # back to version 9
+        conn.execute(
+            sql.SQL(
+                "DROP TABLE {listener}, {key}; ALTER TABLE {queue} DROP COLUMN token;"
+                " DELETE FROM {versions} WHERE version = 10"
+            ).format(
+                listener=sql.Identifier(schema, "listener"),
+                key=sql.Identifier(schema, "handoff_key"),
+                queue=sql.Identifier(schema, "queue"),
+                versions=sql.Identifier(schema, "schema_migration"),
+            )
+        )
+    assert kombu_pgqueue.migrate(owner, schema) == [10]
+
+    for who in (roles.app, roles.worker):
+        for table, privilege, granted in (
+            ("listener", "INSERT", True),
+            ("listener", "DELETE", True),
+            ("handoff_key", "SELECT", True),
+            ("handoff_key", "UPDATE", False),
+        ):
+            qualified = sql.Identifier(schema, table).as_string(db)
+            row = db.execute(
+                "SELECT has_table_privilege(%s, %s, %s)", (who, qualified, privilege)
+            ).fetchone()
+            assert row == (granted,), (who, table, privilege)
+    worker, app = _connect(roles, roles.worker, schema), _connect(roles, roles.app, schema)
+    got: list[Any] = []
+    try:
+        with Consumer(worker, [Queue("up")], callbacks=[lambda body, m: got.append(m)]):
+            worker.transport.consumer.deliver_pending(inline=True)
+            Producer(app).publish({"n": 1}, routing_key="up")
+            worker.drain_events(timeout=10)
+            assert [m.delivery_info["pgqueue_handoff"] for m in got] == [True]
+            got[0].ack()
+    finally:
+        worker.release()
+        app.release()

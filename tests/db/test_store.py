@@ -11,7 +11,7 @@ import pytest
 from kombu import Connection
 from psycopg import sql
 
-from kombu_pgqueue._listener import Listener, queue_token
+from kombu_pgqueue._listener import Listener, legacy_token
 from kombu_pgqueue._store import Outgoing, Store, new_lease
 
 Later = Callable[[float], datetime]
@@ -48,7 +48,10 @@ def test_publish_notifies_the_schema_channel_with_the_queues_token(store: Store,
     # as a consumer of both queues that takes no handoffs (see tests/transport/test_handoff.py)
     watching = Listener(dsn, dataclasses.replace(store.options, handoff=False))
     watching.open()
+    for queue in ("wake me", "ünï ☃"):
+        store.declare_queue(queue)
     watching.watch(["wake me", "ünï ☃"])
+    tokens = [watching.watched["wake me"], watching.watched["ünï ☃"]]
     try:
         with psycopg.connect(dsn, autocommit=True) as listener:
             listener.execute(sql.SQL("LISTEN {}").format(sql.Identifier(store.options.channel)))
@@ -58,8 +61,10 @@ def test_publish_notifies_the_schema_channel_with_the_queues_token(store: Store,
     finally:
         watching.close()
 
-    # the statement's token is the consumer's (queue names are not in notifications)
-    assert payloads == ["r:" + queue_token("wake me"), "r:" + queue_token("ünï ☃")]
+    # the statement's token is the consumer's: random, not the name nor a hash of it
+    assert payloads == ["r:" + token for token in tokens]
+    assert len(set(tokens)) == 2 and all(len(token) == 16 for token in tokens)
+    assert tokens != [legacy_token("wake me"), legacy_token("ünï ☃")]
 
 
 def test_publish_many_inserts_every_message(store: Store) -> None:

@@ -26,7 +26,7 @@ from kombu.asynchronous import Hub
 from wire_faults import AnswerSplitter
 
 from kombu_pgqueue import _consumer, _resume
-from kombu_pgqueue._listener import Wakeups, queue_token
+from kombu_pgqueue._listener import Wakeups
 from kombu_pgqueue._store import Store
 
 QUIET = {"polling_interval": 30}
@@ -210,7 +210,7 @@ def test_a_wakeup_during_a_short_claim_keeps_the_queue_pending(
     consumer.pending.add("ctn")
     consumer.deliver_pending()
     # a NOTIFY for a message committed after the claim's snapshot arrives meanwhile
-    consumer.wake(Wakeups({queue_token("ctn"): "ctn"}, queues={"ctn"}, due=None))
+    consumer.wake(Wakeups({}, queues={"ctn"}, due=None))
     _take_answer(conn, "ctn")
 
     assert got == [0]

@@ -19,7 +19,6 @@ from kombu import Connection, Consumer, Exchange, Producer, Queue
 from psycopg import sql
 
 from kombu_pgqueue import bulk
-from kombu_pgqueue._listener import queue_token
 from kombu_pgqueue._sql import queries
 from kombu_pgqueue.records import Outgoing
 from tests.waiting import wait_for
@@ -58,8 +57,13 @@ def _sent(observer: psycopg.Connection, connection: Connection) -> list[str]:
     raise AssertionError(f"the sentinel did not arrive; got {payloads}")
 
 
-def _token(queue: str) -> str:
-    return "r:" + queue_token(queue)
+def _token(observer: psycopg.Connection, connection: Connection, queue: str) -> str:
+    """The wakeup of ``queue``: its random token (never its name, nor a hash of it)."""
+    table = sql.Identifier(connection.transport.options.schema, "queue")
+    query = sql.SQL("SELECT token FROM {} WHERE name = %s").format(table)
+    row = observer.execute(query, [queue]).fetchone()
+    assert row is not None, f"queue {queue!r} not declared"
+    return "r:" + str(row[0])
 
 
 def test_a_publish_to_a_queue_nobody_consumes_notifies_nobody(
@@ -88,9 +92,10 @@ def test_a_publish_to_a_consumed_queue_notifies_until_the_consumer_cancels(
         producer.publish("routed", exchange="fan", routing_key="")
         producer.publish("not this one", routing_key="other")
         bulk.publish_many(connection, ["a", "b"], routing_key="watched")
-        assert _sent(observer, connection) == [_token("watched"), _token("routed")] + [
-            _token("watched")
-        ]
+        assert _sent(observer, connection) == [
+            _token(observer, connection, "watched"),
+            _token(observer, connection, "routed"),
+        ] + [_token(observer, connection, "watched")]
     producer.publish("after the cancel", routing_key="watched")
     assert _sent(observer, connection) == []
 
@@ -155,7 +160,7 @@ def test_a_consumer_with_a_backlog_is_not_notified_until_it_has_drained_the_queu
         while len(got) < 11:
             worker.drain_events(timeout=5)
         producer.publish("once drained", routing_key="busy")
-        assert _sent(observer, connection) == [_token("busy")]
+        assert _sent(observer, connection) == [_token(observer, connection, "busy")]
         worker.drain_events(timeout=5)
     assert got == [*range(10), "while busy", "once drained"]
 

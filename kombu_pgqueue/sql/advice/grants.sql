@@ -14,9 +14,9 @@ GRANT CREATE ON DATABASE {database} TO {role};
 GRANT USAGE ON SCHEMA {schema} TO {role};
 GRANT SELECT, INSERT, UPDATE, DELETE
     ON {schema}.queue, {schema}.exchange, {schema}.binding, {schema}.message, {schema}.dead_letter,
-       {schema}.waiter
+       {schema}.waiter, {schema}.listener
     TO {role};
-GRANT SELECT ON {schema}.schema_migration TO {role};
+GRANT SELECT ON {schema}.schema_migration, {schema}.handoff_key TO {role};
 
 -- name: grant_temporary :none
 -- Bulk publishes (publish_many, send_many, Spark) stage rows with an ETA, a TTL queue or
