@@ -1,7 +1,8 @@
 """The one place that turns PostgreSQL's errors (SQLSTATEs) into pgqueue's.
 
 A missing table means a missing or partly dropped schema (:class:`SchemaError`, naming
-the migrate command); a privilege error names what the role may not do and, where a
+the migrate command), and a table in the way of one a migration creates names both and
+the ``schema`` option; a privilege error names what the role may not do and, where a
 grant would help, the statement its owner can run (:class:`PrivilegeError`); data that
 PostgreSQL refuses is the message's fault (:class:`MessageError`); a server that takes
 no writes (a standby, a failover in progress, ``default_transaction_read_only``) is a
@@ -17,6 +18,7 @@ import psycopg
 from psycopg import errors, pq
 
 from . import _sql
+from ._options import DEFAULT_SCHEMA
 from .exceptions import MessageError, PrivilegeError, SchemaError, ServerUnavailable
 
 MIGRATE_COMMAND = "python -m kombu_pgqueue migrate --dsn <dsn> --schema {schema}"
@@ -98,6 +100,22 @@ def creating_schema(conn: psycopg.Connection, schema: str) -> Iterator[None]:
             "that database ("
             + _sql.advice("grant_create", conn, database=conn.info.dbname, role=role)
             + f"), or create the schema owned by it, or have an owner run: {command}"
+        ) from exc
+
+
+@contextmanager
+def installing(conn: psycopg.Connection, schema: str, migration: str) -> Iterator[None]:
+    """Running ``migration`` in ``schema``: a name there that is not pgqueue's (the
+    application's own ``message`` table) is named, with what to do."""
+    try:
+        yield
+    except (errors.DuplicateTable, errors.DuplicateObject, errors.DuplicateFunction) as exc:
+        raise SchemaError(
+            f"cannot install pgqueue in schema {schema!r} of database {conn.info.dbname!r}: "
+            f"{exc.diag.message_primary} (migration {migration}); the schema holds tables "
+            "that are not pgqueue's, and pgqueue needs a schema of its own. Set the "
+            "transport option 'schema' to one that nothing else uses (the default is "
+            f"{DEFAULT_SCHEMA!r}), or move the application's tables out of {schema!r}"
         ) from exc
 
 

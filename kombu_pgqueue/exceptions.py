@@ -5,7 +5,8 @@
     PgQueueError
      ├── ConfigurationError (also ValueError)  a bad URL, option, queue or exchange name
      ├── SchemaError                           the schema is missing or older than this code,
-     │                                         and auto_migrate is off
+     │                                         and auto_migrate is off; or it holds another
+     │                                         application's tables
      ├── PrivilegeError                        the role may not do what the broker needs
      ├── MessageError (also ValueError)        a message that cannot be stored as given
      └── ServerUnavailable (also psycopg's     the server takes no writes now (read-only, a
@@ -31,7 +32,8 @@ class ConfigurationError(PgQueueError, ValueError):
 
 
 class SchemaError(PgQueueError):
-    """The broker schema is missing or older than this code needs."""
+    """The broker schema is missing or older than this code needs, or it is another
+    application's (a table of the same name is in the way)."""
 
 
 class PrivilegeError(PgQueueError):

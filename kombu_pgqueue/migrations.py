@@ -13,7 +13,7 @@ import psycopg
 from psycopg import sql
 
 from . import _sql
-from ._errors import MIGRATE_COMMAND, creating_schema, using_schema
+from ._errors import MIGRATE_COMMAND, creating_schema, installing, using_schema
 from ._options import DEFAULT_SCHEMA, check_schema
 from .exceptions import SchemaError
 
@@ -85,7 +85,8 @@ def _migrate(conn: psycopg.Connection, schema: str) -> list[int]:
         for version, slug, text in _sql.migration_files():
             if version <= done:
                 continue
-            conn.execute(_sql.compose(text, schema))
+            with installing(conn, schema, f"{version:04d}_{slug}"):
+                conn.execute(_sql.compose(text, schema))
             conn.execute(
                 sql.SQL("INSERT INTO {}.schema_migration (version, name) VALUES (%s, %s)").format(
                     ident
