@@ -128,7 +128,11 @@ class Connected:
     def translated(self, name: str) -> AbstractContextManager[None]:
         """Statement ``name``'s errors as pgqueue's (see :mod:`._errors`)."""
         return _errors.translated(
-            name, self.schema, lambda: _pool.forget_schema(self.conninfo, self.schema), self._role
+            name,
+            self.schema,
+            lambda: _pool.forget_schema(self.conninfo, self.schema),
+            self._role,
+            publish=name in _PUBLISHES,
         )
 
     def _rows(

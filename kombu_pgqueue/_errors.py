@@ -4,7 +4,9 @@ A missing table means a missing or partly dropped schema (:class:`SchemaError`, 
 the migrate command), and a table in the way of one a migration creates names both and
 the ``schema`` option; a privilege error names what the role may not do and, where a
 grant would help, the statement its owner can run (:class:`PrivilegeError`); data that
-PostgreSQL refuses is the message's fault (:class:`MessageError`); a server that takes
+PostgreSQL refuses is the message's fault (:class:`MessageError`); a publish the server
+has no disk, memory or configured room for is raised at once (:class:`ResourceError`:
+a reconnect cannot fix it; a worker's statements wait as for a lost connection); a server that takes
 no writes (a standby, a failover in progress, ``default_transaction_read_only``) is a
 connection error (:class:`ServerUnavailable`), so Kombu reconnects and retries.
 """
@@ -19,17 +21,30 @@ from psycopg import errors, pq
 
 from . import _sql
 from ._options import DEFAULT_SCHEMA
-from .exceptions import MessageError, PrivilegeError, SchemaError, ServerUnavailable
+from .exceptions import (
+    MessageError,
+    PrivilegeError,
+    ResourceError,
+    SchemaError,
+    ServerUnavailable,
+)
 
 MIGRATE_COMMAND = "python -m kombu_pgqueue migrate --dsn <dsn> --schema {schema}"
 
 
 @contextmanager
 def translated(
-    name: str, schema: str, forget_schema: Callable[[], None], role: str = "the database role"
+    name: str,
+    schema: str,
+    forget_schema: Callable[[], None],
+    role: str = "the database role",
+    *,
+    publish: bool = False,
 ) -> Iterator[None]:
     """Statement ``name`` on ``schema``: its errors as pgqueue's. ``forget_schema`` is
-    called when a table is missing (the schema is checked again on the next connect)."""
+    called when a table is missing (the schema is checked again on the next connect).
+    A ``publish`` that the server lacks the resources for fails at once; other
+    statements (a worker's claims and acks) keep it a connection error, and wait."""
     try:
         yield
     except errors.ReadOnlySqlTransaction as exc:
@@ -51,6 +66,32 @@ def translated(
         # psycopg raises DataError itself for a NUL in text, before sending
         detail = exc.diag.message_primary or str(exc)
         raise MessageError(f"{name} on schema {schema!r}: {detail}") from exc
+    except psycopg.OperationalError as exc:
+        # by SQLSTATE: psycopg's DiskFull and OutOfMemory do not derive from its
+        # InsufficientResources; too_many_connections is a wait, as a lost connection is
+        if not publish or not (exc.sqlstate or "").startswith("53") or exc.sqlstate == "53300":
+            raise
+        raise insufficient(exc, name, schema) from exc
+
+
+#: what each SQLSTATE of class 53 means for the operator, and what to do
+_RESOURCES = {
+    "53100": "the disk is full (its tablespace, or pg_wal): free space on the server",
+    "53200": "the server is out of memory",
+    "53400": "a configured limit was reached (see the server's log)",
+}
+
+
+def insufficient(exc: psycopg.Error, name: str, schema: str) -> ResourceError:
+    """A publish the server lacks disk, memory or a limit for (SQLSTATE class 53)."""
+    sqlstate = exc.sqlstate or "53000"
+    cause = _RESOURCES.get(sqlstate, "the server lacks a resource (see its log)")
+    error = ResourceError(
+        f"{name} on schema {schema!r} refused by the database: {cause} (SQLSTATE "
+        f"{sqlstate}: {exc.diag.message_primary}); not retried, a reconnect cannot fix it"
+    )
+    error.sqlstate = sqlstate
+    return error
 
 
 def where(pgconn: pq.abc.PGconn | None) -> str:

@@ -9,6 +9,9 @@
      │                                         application's tables
      ├── PrivilegeError                        the role may not do what the broker needs
      ├── MessageError (also ValueError)        a message that cannot be stored as given
+     ├── ResourceError                         the server lacks disk, memory or a configured
+     │                                         limit for a publish (SQLSTATE class 53): raised
+     │                                         at once, since a reconnect cannot fix it
      └── ServerUnavailable (also psycopg's     the server takes no writes now (read-only, a
          OperationalError)                     standby, a failover) or did not answer in time
 
@@ -42,6 +45,16 @@ class PrivilegeError(PgQueueError):
 
 class MessageError(PgQueueError, ValueError):
     """A message that cannot be stored as given."""
+
+
+class ResourceError(PgQueueError):
+    """The server lacks a resource a publish needs: disk space (a full tablespace or
+    ``pg_wal``), memory, or a configured limit (SQLSTATE class 53, but
+    ``too_many_connections``). A reconnect cannot fix that, so it is not a connection
+    error: Kombu's retry policy does not retry it, and the publish fails at once. The
+    SQLSTATE is the ``sqlstate`` attribute; psycopg's error is ``__cause__``."""
+
+    sqlstate: str | None = None
 
 
 class ServerUnavailable(PgQueueError, psycopg.OperationalError):

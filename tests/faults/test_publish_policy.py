@@ -5,19 +5,24 @@ test runs on a throwaway cluster of its own."""
 
 from __future__ import annotations
 
+import errno
+import os
+import subprocess
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 from clusters import Cluster
 from failover_app import make_app
 from kombu import Connection
+from psycopg import sql
 from publishing import SCHEMA, Background, publish, size, url
 from waiting import wait_for
 
 import kombu_pgqueue
+from kombu_pgqueue.exceptions import ResourceError
 
 #: seconds Kombu's own connect loop may take before a publish's retry policy starts
 CONNECT_TIMEOUT = 1.0
@@ -96,3 +101,82 @@ def test_a_kombu_publish_retries_as_many_times_as_its_policy_says(
     publishing = Background(lambda: publish(conn, "waited", **policy))
 
     _wait_out_a_stop(primary, refusals, publishing)
+
+
+class SmallDisk:
+    """A tablespace on a 4 MB tmpfs of its own, the database's default one: what
+    pgqueue installs afterwards lives there, and :meth:`fill` leaves it no room."""
+
+    def __init__(self, cluster: Cluster) -> None:
+        self.cluster = cluster
+        self.mount = cluster.root / "small"
+        self.mount.mkdir()
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(self.mount)], check=True
+        )
+        if os.geteuid() == 0:
+            subprocess.run(["chown", "postgres:postgres", str(self.mount)], check=True)
+        with cluster.connect() as conn:
+            location = sql.Literal(str(self.mount))
+            conn.execute(sql.SQL("CREATE TABLESPACE small LOCATION {}").format(location))
+            conn.execute("ALTER DATABASE postgres SET default_tablespace = small")
+        self.filler = self.mount / "filler"
+
+    def fill(self) -> None:
+        """Write a file until the file system has no room left."""
+        chunk = b"\0" * 65536
+        with open(self.filler, "ab", buffering=0) as out:
+            while True:
+                try:
+                    out.write(chunk)
+                except OSError as exc:
+                    if exc.errno != errno.ENOSPC:
+                        raise
+                    if len(chunk) == 1:
+                        return
+                    chunk = chunk[: len(chunk) // 2]
+
+    def free(self) -> None:
+        self.filler.unlink()
+
+    def unmount(self) -> None:
+        # lazily: the server may hold its files open until it stops
+        subprocess.run(["umount", "-l", str(self.mount)], check=False)
+
+
+@pytest.fixture
+def small_disk(primary: Cluster) -> Iterator[SmallDisk]:
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small file system takes root")
+    disk = SmallDisk(primary)
+    yield disk
+    disk.unmount()
+
+
+def _disk_full_errors(cluster: Cluster) -> int:
+    """ERROR lines in the server's log that say the disk is full."""
+    lines = cluster.log().splitlines()
+    return sum(1 for line in lines if "ERROR:" in line and "No space left on device" in line)
+
+
+def test_a_full_disk_fails_a_publish_at_once_without_retries(
+    primary: Cluster, small_disk: SmallDisk, connect: Callable[..., Connection]
+) -> None:
+    kombu_pgqueue.migrate(primary.dsn, SCHEMA)
+    conn = connect(url(primary))
+    publish(conn, "before")
+    small_disk.fill()
+    refusals = Refusals()
+    errors_before = _disk_full_errors(primary)
+
+    # incompressible, so that its TOAST rows need pages the disk does not have
+    with pytest.raises(ResourceError) as raised:
+        publish(conn, os.urandom(1 << 20), max_retries=3, errback=refusals)
+
+    assert _disk_full_errors(primary) - errors_before == 1  # one attempt, no retry
+    assert not refusals.seen.is_set()
+    text = str(raised.value)
+    assert "\n" not in text and "disk" in text and "No space left on device" in text
+    small_disk.free()
+    publish(conn, "after", max_retries=0)
+    assert size(primary) == 2
