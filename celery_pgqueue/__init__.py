@@ -28,7 +28,7 @@ from . import (
     _worker,  # noqa: F401 - connects its worker_init receiver
     archive,
 )
-from ._worker import SchemaFirst
+from ._worker import SchemaFirst, tables_on_first_use
 from .atomic import AtomicTask
 
 __all__ = ["AtomicTask", "__version__", "broker_url", "configure", "result_backend_url"]
@@ -96,6 +96,11 @@ def configure(
     to the results' connections too. ``keep_failed=True`` keeps tasks that fail for
     good in the dead letters (the setting ``pgqueue_keep_failed``; see
     :mod:`celery_pgqueue.archive`); None leaves the setting as it is.
+
+    The result tables are created on first use (``database_create_tables_at_setup``
+    False, unless the app set it): a process started before its database then waits
+    for it, or follows its publish retry policy, instead of failing as the backend is
+    made.
     """
     conf = app.conf
     conf.broker_url = dsn if _is_broker_url(dsn) else broker_url(dsn)
@@ -107,6 +112,9 @@ def configure(
     if results:
         conf.result_backend = result_backend_url(_results_conninfo(dsn, transport_options))
         conf.result_extended = True
+        # a web process makes the backend at its first delay(), before the publish, and
+        # a database not up yet then failed the call before its retry policy began
+        tables_on_first_use(conf)
         # result tables placed in the broker's schema: that schema first (see _worker)
         found = conf.database_engine_callback
         if isinstance(found, SchemaFirst):  # configured again, or conf copied from an app

@@ -7,6 +7,14 @@
   the worker died at startup. The schema is installed or upgraded here first, as the
   broker's first connection would (unless ``auto_migrate`` is off); a database that
   cannot be reached yet is left to the worker's own retries.
+* **Result tables on first use.** Celery's database result backend creates its tables
+  as it is made (``database_create_tables_at_setup``), and a worker makes it while it
+  prints its banner: a database not up yet ended the worker after three tries, where the
+  broker's connection waits ("Trying again in 2.00 seconds... (1/100)"). A worker on
+  pgqueue creates them on first use instead (Celery's creation there is safe when
+  processes race), so it waits for its database however its results are configured;
+  :func:`configure` sets the same for every process. An app that sets the setting
+  itself keeps its choice.
 * **No handoffs to a loop that runs tasks.** Celery's solo pool runs each task inside
   the worker's event loop: while a task runs, the worker reads nothing. A message
   handed off to it then (docs/lifecycle.md, "Handoff") would wait behind that task
@@ -66,6 +74,7 @@ def _starting(sender: Any = None, **_: Any) -> None:
     if broker is None:
         return
     _schema_first(app, broker)
+    tables_on_first_use(app.conf)
     _no_handoffs_to_a_blocking_loop(app, worker.pool_cls)
 
 
@@ -79,6 +88,17 @@ def _broker(app: Any) -> Broker | None:
             return Broker.from_connection(connection)
         except ConfigurationError:
             return None
+
+
+#: Celery's setting (5.5+) that creates the result tables as the backend is made
+TABLES_AT_SETUP = "database_create_tables_at_setup"
+
+
+def tables_on_first_use(conf: Any) -> None:
+    """Celery's database result backend creates its tables on first use, not as it is
+    made, unless the app set that itself (see the module)."""
+    if not conf.value_set_for(TABLES_AT_SETUP):
+        conf[TABLES_AT_SETUP] = False
 
 
 def _schema_first(app: Any, broker: Broker) -> bool:
