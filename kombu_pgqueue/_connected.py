@@ -38,6 +38,12 @@ _RELAXED = frozenset(
 #: statements that go through an enlisted application transaction, if there is one
 _PUBLISHES = frozenset({"publish", "publish_many", "publish_routed"})
 
+#: what one publish attempt runs, each bounded by the publish_timeout option too
+#: (publish_many, which may carry a big batch, keeps statement_timeout alone)
+_PUBLISH_ATTEMPT = frozenset(
+    {"publish", "publish_routed", "declare_queue", "declare_exchange", "bind"}
+)
+
 
 def _lost(error: Exception) -> bool:
     """Whether ``error`` means the server went away or takes no writes (its pool is of
@@ -97,7 +103,7 @@ class Connected:
         the statement deadline; a pool whose server went away is discarded."""
         pool = self.pool
         try:
-            with self.translated(name), pool.connection() as conn, self._deadline(conn):
+            with self.translated(name), pool.connection() as conn, self._deadline(conn, name):
                 yield conn
         except CONNECTION_ERRORS as exc:
             if _lost(exc):
@@ -105,25 +111,25 @@ class Connected:
             raise
 
     @contextmanager
-    def _deadline(self, conn: psycopg.Connection) -> Iterator[None]:
+    def _deadline(self, conn: psycopg.Connection, name: str) -> Iterator[None]:
+        """Statement ``name`` on ``conn``, cut off (its connection closed) when the
+        server does not answer: after statement_timeout plus DEADLINE_GRACE, or, for a
+        publish attempt's statements, publish_timeout if that is sooner."""
         timeout = self.options.statement_timeout
-        if not timeout:
+        seconds, option = (timeout + DEADLINE_GRACE, "statement_timeout") if timeout else (0, "")
+        bound = self.options.publish_timeout if name in _PUBLISH_ATTEMPT else 0
+        if bound and (not seconds or bound < seconds):
+            seconds, option, timeout = bound, "publish_timeout", bound
+        if not seconds:
             yield
             return
-        with WATCHDOG.armed(conn, timeout + DEADLINE_GRACE) as watch:
+        with WATCHDOG.armed(conn, seconds) as watch:
             try:
                 yield
             except CONNECTION_ERRORS as exc:
                 if not watch.fired:
                     raise
-                raise ServerUnavailable(
-                    f"the database at {_errors.where(conn.pgconn)} did not answer "
-                    f"within {timeout:g} s (transport option statement_timeout): the server "
-                    "hangs, the network dropped, or a commit waits for a synchronous "
-                    "standby; the connection was closed. A write may have committed on the "
-                    "server before that (Kombu's retry of a Celery task publish is not queued "
-                    "twice: see dedup_task_ids)"
-                ) from exc
+                raise _errors.not_answering(conn.pgconn, timeout, option) from exc
 
     def translated(self, name: str) -> AbstractContextManager[None]:
         """Statement ``name``'s errors as pgqueue's (see :mod:`._errors`)."""

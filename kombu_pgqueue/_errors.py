@@ -102,6 +102,18 @@ def where(pgconn: pq.abc.PGconn | None) -> str:
     return f"{host}:{pgconn.port.decode()}" if not host.startswith("/") else host
 
 
+def not_answering(pgconn: pq.abc.PGconn | None, seconds: float, option: str) -> ServerUnavailable:
+    """A server that did not answer within ``seconds`` (transport option ``option``),
+    whose connection was closed: a connection error, which Kombu's policy retries."""
+    return ServerUnavailable(
+        f"the database at {where(pgconn)} did not answer within {seconds:g} s (transport "
+        f"option {option}): the server hangs, the network dropped, or a commit waits for a "
+        "synchronous standby; the connection was closed. A write may have committed on the "
+        "server before that (Kombu's retry of a Celery task publish is not queued twice: "
+        "see dedup_task_ids)"
+    )
+
+
 def read_only(pgconn: pq.abc.PGconn | None, detail: str | None = None) -> ServerUnavailable:
     """A server in recovery or read-only, as a connection error (wait for a primary)."""
     return ServerUnavailable(

@@ -59,6 +59,20 @@ Transport options
   is gone): its connection is closed and the call raises
   :class:`~kombu_pgqueue.ServerUnavailable`, a connection error that Kombu retries by
   its policy. Bulk COPY and migrations run on connections of their own, without it.
+* ``publish_timeout`` (float, 5): the longest a publish waits for a server that does
+  not answer (hung, unreachable, a commit waiting for a synchronous standby that is
+  gone), in seconds; 0: only ``statement_timeout`` bounds it. It bounds each attempt
+  of ``Producer.publish`` / ``apply_async``: the publish statement and the declarations
+  it makes (their client-side deadline is the sooner of this and ``statement_timeout``
+  plus 2 s; the connection is closed and the attempt raises
+  :class:`~kombu_pgqueue.ServerUnavailable`), and the connect of a reconnect (libpq's
+  ``connect_timeout``, at most this, at least 2 s, per host). Kombu's retry policy then
+  decides whether to try again: after a failed attempt Kombu connects up to
+  ``max_retries`` + 1 times, each connect again bounded (Celery's default policy on a
+  hung server: 5 s, then 4 connects of 4 s, ``broker_connection_timeout``). A slow but
+  answering server is cut off too: a publish that took longer may have committed (see
+  ``dedup_task_ids``).
+  ``publish_many`` keeps ``statement_timeout``.
 * ``prepare_threshold`` (int or None, 5): psycopg's server-side prepare threshold.
 * ``synchronous_commit`` (str, unset): PostgreSQL's ``synchronous_commit`` for the
   broker's sessions. Unset keeps the server's (durable) setting. ``"off"`` makes
@@ -142,6 +156,7 @@ class Options:
     callback_errors: str = "dead_letter"
     unroutable: str = "warn"
     statement_timeout: float = 30.0
+    publish_timeout: float = 5.0
     libpq: Mapping[str, str] = field(default_factory=dict)
 
     @property
@@ -284,6 +299,7 @@ def parse_options(transport_options: Mapping[str, Any]) -> Options:
         ("sweep_interval", 0.1),
         ("pool_timeout", 0.1),
         ("statement_timeout", 0.0),
+        ("publish_timeout", 0.0),
     ):
         if topts.get(name) is not None:
             kwargs[name] = _number(name, topts[name], minimum=minimum)

@@ -11,15 +11,19 @@ pid check keeps the inherited objects from touching them.
 from __future__ import annotations
 
 import atexit
+import math
 import os
 import threading
 from collections.abc import Callable
+from typing import Any
 
 import psycopg
 from psycopg import sql
+from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import ConnectionPool
 
 from . import _errors, _sql, migrations
+from ._deadline import WATCHDOG
 from ._options import Options
 
 _lock = threading.Lock()
@@ -37,8 +41,19 @@ os.register_at_fork(after_in_child=_forget_after_fork)
 
 
 def connect(conninfo: str, options: Options) -> psycopg.Connection:
-    """Open a dedicated autocommit connection (errors are psycopg's, unwrapped)."""
-    return psycopg.connect(conninfo, autocommit=True, prepare_threshold=options.prepare_threshold)
+    """Open a dedicated autocommit connection (errors are psycopg's, unwrapped), waiting
+    for a server that does not answer at most ``publish_timeout`` (a reconnect is part
+    of a publish attempt; libpq counts whole seconds, 2 at least)."""
+    kwargs: dict[str, Any] = {}
+    bound = options.publish_timeout
+    if bound:
+        limit = max(2, math.ceil(bound))
+        given = conninfo_to_dict(conninfo).get("connect_timeout")
+        if given is None or not 0 < int(float(str(given))) <= limit:
+            kwargs["connect_timeout"] = limit
+    return psycopg.connect(
+        conninfo, autocommit=True, prepare_threshold=options.prepare_threshold, **kwargs
+    )
 
 
 def listening(conninfo: str, options: Options) -> psycopg.Connection:
@@ -139,7 +154,19 @@ def get_pool(conninfo: str, options: Options, *, probe: bool = False) -> Connect
 
 
 def _check_writable(conn: psycopg.Connection, options: Options) -> None:
-    row = conn.execute(_sql.queries(options.schema)["writable"]).fetchone()
+    """Raise unless the server of ``conn`` takes writes; one that does not answer within
+    ``publish_timeout`` is unavailable too (the connection was closed)."""
+    bound = options.publish_timeout
+    if not bound:
+        row = conn.execute(_sql.queries(options.schema)["writable"]).fetchone()
+    else:
+        with WATCHDOG.armed(conn, bound) as watch:
+            try:
+                row = conn.execute(_sql.queries(options.schema)["writable"]).fetchone()
+            except psycopg.OperationalError as exc:
+                if not watch.fired:
+                    raise
+                raise _errors.not_answering(conn.pgconn, bound, "publish_timeout") from exc
     if row is None or not row[0]:
         raise _errors.read_only(conn.pgconn)
 

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import kombu.exceptions
 import pytest
 from clusters import Cluster
 from failover_app import make_app
@@ -101,6 +102,55 @@ def test_a_kombu_publish_retries_as_many_times_as_its_policy_says(
     publishing = Background(lambda: publish(conn, "waited", **policy))
 
     _wait_out_a_stop(primary, refusals, publishing)
+
+
+#: the publish_timeout of the hung-server tests, and the margin its bound is held to
+PUBLISH_TIMEOUT, MARGIN = 2.0, 1.5
+
+
+def _raises_within_the_bound(call: Callable[[], object]) -> BaseException:
+    started = time.monotonic()
+    with pytest.raises(kombu.exceptions.OperationalError) as raised:
+        call()
+    took = time.monotonic() - started
+    assert took < PUBLISH_TIMEOUT + MARGIN, f"took {took:.1f} s: {raised.value}"
+    return raised.value
+
+
+@pytest.mark.timeout(60)
+def test_a_publish_on_a_hung_server_raises_within_publish_timeout(
+    primary: Cluster, connect: Callable[..., Connection]
+) -> None:
+    kombu_pgqueue.migrate(primary.dsn, SCHEMA)
+    conn = connect(url(primary), publish_timeout=PUBLISH_TIMEOUT)
+    publish(conn, "before")  # its pooled connection stays open
+    primary.pause()
+
+    try:
+        error = _raises_within_the_bound(lambda: publish(conn, "hung", max_retries=0))
+    finally:
+        primary.resume()
+
+    assert "did not answer" in str(error) and "publish_timeout" in str(error)
+    publish(conn, "after", max_retries=1)
+    assert size(primary) >= 2  # "hung" may have committed before the server stopped
+
+
+@pytest.mark.timeout(60)
+def test_a_new_publisher_of_a_hung_server_raises_within_publish_timeout(
+    primary: Cluster, connect: Callable[..., Connection]
+) -> None:
+    kombu_pgqueue.migrate(primary.dsn, SCHEMA)
+    conn = connect(url(primary), connect_timeout=10, publish_timeout=PUBLISH_TIMEOUT)
+    primary.pause()
+
+    try:
+        _raises_within_the_bound(lambda: publish(conn, "hung", max_retries=0))
+    finally:
+        primary.resume()
+
+    publish(conn, "after", max_retries=1)
+    assert size(primary) == 1
 
 
 class SmallDisk:
