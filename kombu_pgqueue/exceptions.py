@@ -60,5 +60,5 @@ class ResourceError(PgQueueError):
 class ServerUnavailable(PgQueueError, psycopg.OperationalError):
     """The database server cannot take the broker's work now: it is read-only (a
     standby, a failover in progress, ``default_transaction_read_only``) or did not
-    answer within ``statement_timeout``. A connection error: Kombu and Celery
-    reconnect and retry."""
+    answer within ``statement_timeout`` (a publish: ``publish_timeout``). A connection
+    error: Kombu and Celery reconnect and retry."""
