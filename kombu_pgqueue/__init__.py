@@ -15,6 +15,7 @@ from .exceptions import (
     MessageError,
     PgQueueError,
     PrivilegeError,
+    ResourceError,
     SchemaError,
     ServerUnavailable,
 )
@@ -31,6 +32,7 @@ __all__ = [
     "MessageError",
     "PgQueueError",
     "PrivilegeError",
+    "ResourceError",
     "SchemaError",
     "ServerUnavailable",
     "Transport",

@@ -43,10 +43,12 @@ Transport options
 * ``listen`` (bool, True): wait on LISTEN/NOTIFY. Turn off behind PgBouncer in
   transaction mode (then also set ``prepare_threshold`` to None).
 * ``handoff`` (bool, True): a publish to a queue a consumer waits for leases the message
-  to that consumer in the publishing statement, and the NOTIFY carries it (up to 8000
-  bytes): no claim round trip. Off: a NOTIFY wakes consumers, which claim. The payload
-  is readable by any role that may LISTEN on the schema's channel in that database
-  (see docs/lifecycle.md, "Wakeups"); a publisher's option.
+  to that consumer in the publishing statement, and the NOTIFY hands it over: no claim
+  round trip. The message travels sealed with the schema's key (AES-GCM; table
+  ``handoff_key``), so a role that may LISTEN but has no grants on the broker's tables
+  reads no body, argument or queue name (docs/operations.md, "What a role without
+  grants can see"); messages that would not fit a NOTIFY payload sealed are not handed
+  off. Off: a NOTIFY wakes consumers, which claim; a publisher's and a worker's option.
 * ``auto_migrate`` (bool, True): install or upgrade the schema on first connect.
   When off, a missing or old schema raises :class:`~kombu_pgqueue.SchemaError`
   naming ``python -m kombu_pgqueue migrate``.

@@ -1,4 +1,5 @@
-"""Scenarios with Kombu producer and consumer processes: load and snapshot."""
+"""Scenarios with Kombu producer and consumer processes: load (and the processes that
+the snapshot scenario, snapshot.py, runs too)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,6 @@ from kombu import Connection, Consumer, Producer, Queue
 from psycopg import sql
 
 import kombu_pgqueue  # noqa: F401 - registers pgqueue://
-from kombu_pgqueue.bulk import publish_many
 from kombu_pgqueue.embedded import broker_url
 
 from . import ledger, procs
@@ -62,6 +62,8 @@ def consumer(
     claims: dict[int, list[float]] = defaultdict(list)
     e2e: dict[int, list[float]] = defaultdict(list)
     seen: list[tuple[int, int]] = []
+    #: (published at, delivery latency) of the priority probes (see snapshot)
+    probes: list[tuple[float, float]] = []
     # the transport's consumer claims with fetch() when drain_events() runs without an
     # event loop, as here
     fetch = channel.consumer.fetch
@@ -76,6 +78,8 @@ def consumer(
 
     def on_message(body: Any, message: Any) -> None:
         now = time.time()
+        if body.get("probe"):
+            probes.append((body["t"], now - body["t"]))
         _keep(e2e[int((now - t0) // BUCKET)], now - body["t"], rng)
         if record:
             seen.append((body["p"], body["s"]))
@@ -95,7 +99,7 @@ def consumer(
             with cur.copy(sql.SQL("COPY {} (p, s) FROM STDIN").format(table)) as cp:
                 for row in seen:
                     cp.write_row(row)
-    results.put(("consumer", dict(claims), dict(e2e)))
+    results.put(("consumer", dict(claims), dict(e2e), probes))
 
 
 def producer(dsn: str, schema: str, p: int, rate: float, stop: Any, results: Any) -> None:
@@ -269,169 +273,4 @@ def load(ctx: Context, rate: float, vacuum_every: float) -> Result:
                     f"p99 {_pct(e, 0.99) * 1000:7.1f} ms",
                 )
             )
-        return result
-
-
-# -- 7. snapshot ---------------------------------------------------------------------------
-
-
-def backlog_producer(
-    dsn: str, schema: str, stop: Any, low: int, high: int, consumed: list[Any], dry: Any
-) -> None:
-    """Keep ``low`` to ``high`` messages waiting, in COPY batches of at most 1,000.
-
-    The backlog is what this producer sent minus what the consumers counted (shared
-    counters), not ``store.size()``: a count over the queue steps over every dead row an
-    open snapshot keeps, which would make the producer, not the broker, the bottleneck.
-    Small batches sent as soon as the backlog is under ``high`` keep the queue from
-    running dry while a batch is built (one batch of ``high - low`` did, every time).
-    """
-    conn = _connection(dsn, schema)
-    sent = 0
-    while not stop.is_set():
-        backlog = sent - sum(c.value for c in consumed)
-        if backlog < high:
-            batch = min(1000, high - backlog)
-            publish_many(conn, ({"p": 0, "s": 0, "t": time.time()} for _ in range(batch)), QUEUE)
-            sent += batch
-        else:
-            stop.wait(0.01)
-        if backlog < low:
-            dry.value += 1
-    conn.release()
-
-
-def snapshot(ctx: Context, vacuum_every: float) -> Result:
-    hold = (ctx.minutes or (0.5 if ctx.quick else 5.0)) * 60
-    before = after = 20.0 if ctx.quick else 60.0
-    n_cons = 4
-    mp = multiprocessing.get_context("spawn")
-    with ctx.run("snapshot") as run, run.connect() as conn:
-        stop_prod, stop_cons = mp.Event(), mp.Event()
-        results = mp.Queue()
-        t0 = time.time()
-        counters = [mp.Value("q", 0, lock=False) for _ in range(n_cons)]
-        dry = mp.Value("q", 0, lock=False)  # producer loops that found under `low` waiting
-        workers = [
-            mp.Process(
-                target=consumer,
-                args=(ctx.dsn, run.schema, run.run_id, t0, stop_cons, results, c, False),
-            )
-            for c in counters
-        ] + [
-            mp.Process(
-                target=backlog_producer,
-                args=(ctx.dsn, run.schema, stop_prod, 2000, 6000, counters, dry),
-            )
-        ]
-        vac_stop = threading.Event()
-        samples: list[tuple[float, int]] = []
-        marks: dict[str, float] = {}
-        stats: dict[str, dict[str, Any]] = {}
-        holder = psycopg.connect(ctx.dsn, application_name="chaos-snapshot-holder")
-        try:
-            for p in workers:
-                p.start()
-            if vacuum_every:
-                procs.vacuum_ticker(ctx.dsn, run.schema, vacuum_every, vac_stop)
-            procs.wait_for(lambda: sum(c.value for c in counters) > 0, 60, "consumers to start")
-
-            def sample_for(seconds: float) -> None:
-                end = time.monotonic() + seconds
-                while time.monotonic() < end:
-                    samples.append((time.monotonic(), sum(c.value for c in counters)))
-                    procs.pause(1.0)
-
-            marks["before"] = time.monotonic()
-            stats["start"] = procs.table_stats(conn, run.schema)
-            sample_for(before)
-            holder.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
-            holder.execute("SELECT count(*) FROM pg_class").fetchone()  # snapshot taken, then idle
-            marks["during"] = time.monotonic()
-            stats["hold begins"] = procs.table_stats(conn, run.schema)
-            sample_for(hold)
-            stats["hold ends"] = procs.table_stats(conn, run.schema)
-            holder.rollback()
-            marks["after"] = time.monotonic()
-            sample_for(after)
-            marks["end"] = time.monotonic()
-            stats["end"] = procs.table_stats(conn, run.schema)
-            stop_prod.set()
-            stop_cons.set()
-            reports = _drain_results(results, n_cons)
-        finally:
-            holder.close()
-            stop_prod.set()
-            stop_cons.set()
-            vac_stop.set()
-            for p in workers:
-                p.join(timeout=60)
-                if p.is_alive():
-                    p.kill()
-
-        def rate(a: float, b: float) -> float:
-            inside = [(t, v) for t, v in samples if a <= t <= b]
-            if len(inside) < 2:
-                return float("nan")
-            return (inside[-1][1] - inside[0][1]) / (inside[-1][0] - inside[0][0])
-
-        r_before = rate(marks["before"], marks["during"])
-        r_during = rate(marks["during"], marks["after"])
-        r_after = rate(marks["after"], marks["end"])
-        window = min(30.0, hold / 2)
-        r_first = rate(marks["during"], marks["during"] + window)
-        r_last = rate(marks["after"] - window, marks["after"])
-        # "recovers when it ends": the after phase in 10 s windows, and the first window
-        # from which every later one is back at 80 % of before
-        steps = [marks["after"] + 10 * k for k in range(int(after // 10) + 1)]
-        r_steps = [rate(a, b) for a, b in zip(steps, steps[1:])]
-        recovered = next(
-            (10 * k for k in range(len(r_steps)) if all(r >= 0.8 * r_before for r in r_steps[k:])),
-            None,
-        )
-        claims = _merge(reports, 1)
-
-        def claim_p50(a: str, b: str) -> str:
-            # buckets count from t0 (wall clock); marks are monotonic
-            shift = (time.time() - t0) - time.monotonic()
-            lo, hi = int((marks[a] + shift) // BUCKET), int((marks[b] + shift) // BUCKET)
-            values = [v for k in range(lo + 1, hi) for v in claims.get(k, [])]
-            p50, p99 = _pct(values, 0.5) * 1000, _pct(values, 0.99) * 1000
-            return f"claim p50 {p50:.1f} ms, p99 {p99:.1f} ms"
-
-        ratio = r_during / r_before if r_before else float("nan")
-        result = Result(
-            "snapshot", ratio >= 0.5 and r_after >= 0.8 * r_before, seconds=run.elapsed()
-        )
-        result.measures += [
-            ("consumers (processes, prefetch 20) / backlog kept", f"{n_cons} / 2000-6000"),
-            ("producer loops that found the backlog under 2000", dry.value),
-            ("phases before / hold / after (s)", f"{before:.0f} / {hold:.0f} / {after:.0f}"),
-            (
-                "VACUUM of the message table every (s), autovacuum is off here",
-                vacuum_every or "never",
-            ),
-            ("throughput before (msg/s)", f"{r_before:.0f}; {claim_p50('before', 'during')}"),
-            (
-                "throughput during the open snapshot (msg/s)",
-                f"{r_during:.0f} ({ratio:.0%} of before); {claim_p50('during', 'after')}",
-            ),
-            (
-                f"  first {window:.0f} s / last {window:.0f} s of the hold",
-                f"{r_first:.0f} / {r_last:.0f}",
-            ),
-            (
-                "throughput after it ended (msg/s)",
-                f"{r_after:.0f} ({r_after / r_before:.0%} of before); {claim_p50('after', 'end')}",
-            ),
-            (
-                "  after, per 10 s (msg/s)",
-                " / ".join(f"{r:.0f}" for r in r_steps),
-            ),
-            (
-                "  back at >= 80 % of before, and staying there",
-                "not within the after phase" if recovered is None else f"{recovered} s after",
-            ),
-        ]
-        result.measures += [(f"message table, {k}", _fmt_stats(v)) for k, v in stats.items()]
         return result

@@ -33,6 +33,7 @@ from benchmarks.chaos import (  # noqa: E402
     kombu_scenarios,
     procs,
     server_scenarios,
+    snapshot,
 )
 from benchmarks.chaos.context import Context, Result  # noqa: E402
 
@@ -83,6 +84,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="load/snapshot: VACUUM the message table every S s (0: never); "
         "stands in for autovacuum, which the test server runs without",
     )
+    parser.add_argument(
+        "--hold",
+        choices=("snapshot", "dump"),
+        default="dump",
+        help="snapshot: what the held transaction does: read no broker table (an analytics "
+        "query, a standby's feedback: 'snapshot') or, as pg_dump, hold ACCESS SHARE on "
+        "every broker table ('dump', the default)",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the schemas and ledger tables")
     args = parser.parse_args(argv)
     unknown = sorted(set(args.scenarios) - set(SCENARIOS))
@@ -100,7 +109,7 @@ def run_one(ctx: Context, name: str, args: argparse.Namespace) -> Result:
         if name == "load":
             result = kombu_scenarios.load(ctx, args.rate, args.vacuum_every)
         elif name == "snapshot":
-            result = kombu_scenarios.snapshot(ctx, args.vacuum_every)
+            result = snapshot.snapshot(ctx, args.vacuum_every, args.hold)
         elif name == "failover":
             result = failover.failover(ctx)
         elif name == "atomic":

@@ -282,7 +282,7 @@ def test_a_failed_task_handed_off_to_an_idle_worker_is_kept_as_it_was_sent(
     spawn("idle", concurrency=1)
     failed(broker, 1)
     waiters = sql.SQL("SELECT count(*) FROM {} WHERE queue = 'celery'").format(
-        sql.Identifier(schema, "waiter")
+        sql.Identifier(schema, "listener")
     )
     # the worker waits for its queue: the next publish is leased to it in its NOTIFY
     wait_for(lambda: db.execute(waiters).fetchone() == (1,), 30, "the idle worker's waiter row")

@@ -1,0 +1,287 @@
+"""The snapshot scenario: a busy queue while another session holds a snapshot, as
+pg_dump, an analytics query or a standby with hot_standby_feedback does (issue 30)."""
+
+from __future__ import annotations
+
+import multiprocessing
+import threading
+import time
+from typing import Any
+
+import psycopg
+from kombu import Producer
+from psycopg import sql
+
+from kombu_pgqueue.bulk import publish_many
+
+from . import procs
+from .context import Context, Result
+from .kombu_scenarios import (
+    BUCKET,
+    QUEUE,
+    _connection,
+    _drain_results,
+    _fmt_stats,
+    _merge,
+    _pct,
+    consumer,
+)
+
+
+def backlog_producer(
+    dsn: str, schema: str, stop: Any, low: int, high: int, consumed: list[Any], dry: Any
+) -> None:
+    """Keep ``low`` to ``high`` messages waiting, in COPY batches of at most 1,000.
+
+    The backlog is what this producer sent minus what the consumers counted (shared
+    counters), not ``store.size()``: a count over the queue steps over every dead row an
+    open snapshot keeps, which would make the producer, not the broker, the bottleneck.
+    Small batches sent as soon as the backlog is under ``high`` keep the queue from
+    running dry while a batch is built (one batch of ``high - low`` did, every time).
+    """
+    conn = _connection(dsn, schema)
+    sent = 0
+    while not stop.is_set():
+        backlog = sent - sum(c.value for c in consumed)
+        if backlog < high:
+            batch = min(1000, high - backlog)
+            publish_many(conn, ({"p": 0, "s": 0, "t": time.time()} for _ in range(batch)), QUEUE)
+            sent += batch
+        else:
+            stop.wait(0.01)
+        if backlog < low:
+            dry.value += 1
+    conn.release()
+
+
+def schema_bytes(conn: psycopg.Connection, schema: str) -> int:
+    """The broker's tables in ``schema`` with their indexes and TOAST, in bytes."""
+    row = conn.execute(
+        """
+        SELECT coalesce(sum(pg_total_relation_size(c.oid)), 0)
+        FROM pg_class AS c
+        JOIN pg_namespace AS n ON n.oid = c.relnamespace
+        WHERE n.nspname = %s AND c.relkind = 'r'
+        """,
+        (schema,),
+    ).fetchone()
+    return int(row[0]) if row else 0
+
+
+HOLDS = {
+    "dump": "ACCESS SHARE on every broker table and a snapshot, as pg_dump holds them",
+    "snapshot": "a snapshot, no broker table read (an analytics query, standby feedback)",
+}
+
+
+def _hold(holder: psycopg.Connection, schema: str, kind: str) -> None:
+    """Take the snapshot a long reader holds: as pg_dump does ('dump': ACCESS SHARE on
+    every table of the schema, kept to the end), or reading no broker table."""
+    holder.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+    holder.execute("SELECT count(*) FROM pg_class").fetchone()  # the snapshot
+    if kind == "dump":
+        tables = holder.execute(
+            "SELECT c.relname FROM pg_class AS c JOIN pg_namespace AS n"
+            " ON n.oid = c.relnamespace WHERE n.nspname = %s AND c.relkind IN ('r', 'p')",
+            (schema,),
+        ).fetchall()
+        for (table,) in tables:
+            holder.execute(
+                sql.SQL("LOCK TABLE {} IN ACCESS SHARE MODE").format(sql.Identifier(schema, table))
+            )
+
+
+def _probe(dsn: str, schema: str, stop: threading.Event, every: float) -> None:
+    """A priority-9 message every ``every`` seconds, behind the backlog of priority 0:
+    how long work that should jump the queue waits."""
+    conn = _connection(dsn, schema)
+    out = Producer(conn)
+    while not stop.wait(every):
+        out.publish(
+            {"probe": True, "p": 0, "s": 0, "t": time.time()}, routing_key=QUEUE, priority=9
+        )
+    conn.release()
+
+
+def snapshot(ctx: Context, vacuum_every: float, kind: str = "dump") -> Result:
+    """A busy queue while a transaction holds a snapshot (issue 30's targets: drain in
+    every minute of the hold at least 0.9x the before phase, a priority-9 probe delivered
+    within 1 s, the broker's tables 60 s after the hold at most 2x their size before)."""
+    hold = (ctx.minutes or (0.5 if ctx.quick else 5.0)) * 60
+    before = after = 20.0 if ctx.quick else 60.0
+    n_cons = 4
+    mp = multiprocessing.get_context("spawn")
+    with ctx.run("snapshot") as run, run.connect() as conn:
+        stop_prod, stop_cons = mp.Event(), mp.Event()
+        results = mp.Queue()
+        t0 = time.time()
+        counters = [mp.Value("q", 0, lock=False) for _ in range(n_cons)]
+        dry = mp.Value("q", 0, lock=False)  # producer loops that found under `low` waiting
+        workers = [
+            mp.Process(
+                target=consumer,
+                args=(ctx.dsn, run.schema, run.run_id, t0, stop_cons, results, c, False),
+            )
+            for c in counters
+        ] + [
+            mp.Process(
+                target=backlog_producer,
+                args=(ctx.dsn, run.schema, stop_prod, 2000, 6000, counters, dry),
+            )
+        ]
+        vac_stop = threading.Event()
+        samples: list[tuple[float, int]] = []
+        marks: dict[str, float] = {}
+        stats: dict[str, dict[str, Any]] = {}
+        holder = psycopg.connect(ctx.dsn, application_name="chaos-snapshot-holder")
+        sizes: dict[str, int] = {}
+        probe_stop = threading.Event()
+        prober = threading.Thread(
+            target=_probe, args=(ctx.dsn, run.schema, probe_stop, 5.0), daemon=True
+        )
+        try:
+            for p in workers:
+                p.start()
+            if vacuum_every:
+                procs.vacuum_ticker(ctx.dsn, run.schema, vacuum_every, vac_stop)
+            prober.start()
+            procs.wait_for(lambda: sum(c.value for c in counters) > 0, 60, "consumers to start")
+
+            def sample_for(seconds: float) -> None:
+                end = time.monotonic() + seconds
+                while time.monotonic() < end:
+                    samples.append((time.monotonic(), sum(c.value for c in counters)))
+                    procs.pause(1.0)
+
+            marks["before"] = time.monotonic()
+            stats["start"] = procs.table_stats(conn, run.schema)
+            sample_for(before)
+            sizes["before"] = schema_bytes(conn, run.schema)
+            _hold(holder, run.schema, kind)
+            marks["during"] = time.monotonic()
+            stats["hold begins"] = procs.table_stats(conn, run.schema)
+            sample_for(hold)
+            stats["hold ends"] = procs.table_stats(conn, run.schema)
+            sizes["hold ends"] = schema_bytes(conn, run.schema)
+            holder.rollback()
+            marks["after"] = time.monotonic()
+            sample_for(after)
+            marks["end"] = time.monotonic()
+            stats["end"] = procs.table_stats(conn, run.schema)
+            sizes["after"] = schema_bytes(conn, run.schema)
+            probe_stop.set()
+            stop_prod.set()
+            stop_cons.set()
+            reports = _drain_results(results, n_cons)
+        finally:
+            holder.close()
+            probe_stop.set()
+            stop_prod.set()
+            stop_cons.set()
+            vac_stop.set()
+            for p in workers:
+                p.join(timeout=60)
+                if p.is_alive():
+                    p.kill()
+
+        def rate(a: float, b: float) -> float:
+            inside = [(t, v) for t, v in samples if a <= t <= b]
+            if len(inside) < 2:
+                return float("nan")
+            return (inside[-1][1] - inside[0][1]) / (inside[-1][0] - inside[0][0])
+
+        r_before = rate(marks["before"], marks["during"])
+        r_during = rate(marks["during"], marks["after"])
+        r_after = rate(marks["after"], marks["end"])
+        window = min(30.0, hold / 2)
+        r_first = rate(marks["during"], marks["during"] + window)
+        r_last = rate(marks["after"] - window, marks["after"])
+        # "recovers when it ends": the after phase in 10 s windows, and the first window
+        # from which every later one is back at 80 % of before
+        steps = [marks["after"] + 10 * k for k in range(int(after // 10) + 1)]
+        r_steps = [rate(a, b) for a, b in zip(steps, steps[1:])]
+        recovered = next(
+            (10 * k for k in range(len(r_steps)) if all(r >= 0.8 * r_before for r in r_steps[k:])),
+            None,
+        )
+        claims = _merge(reports, 1)
+
+        def claim_p50(a: str, b: str) -> str:
+            # buckets count from t0 (wall clock); marks are monotonic
+            shift = (time.time() - t0) - time.monotonic()
+            lo, hi = int((marks[a] + shift) // BUCKET), int((marks[b] + shift) // BUCKET)
+            values = [v for k in range(lo + 1, hi) for v in claims.get(k, [])]
+            p50, p99 = _pct(values, 0.5) * 1000, _pct(values, 0.99) * 1000
+            return f"claim p50 {p50:.1f} ms, p99 {p99:.1f} ms"
+
+        ratio = r_during / r_before if r_before else float("nan")
+        # the hold minute by minute (its last part, if shorter, counts as one)
+        edges = [marks["during"] + 60 * k for k in range(int(hold // 60) + 1)]
+        if marks["after"] - edges[-1] > 10 or len(edges) == 1:
+            edges.append(marks["after"])
+        minutes = [rate(a, b) for a, b in zip(edges, edges[1:])]
+        shift = (time.time() - t0) - time.monotonic()  # probe times are wall clock
+        probes = [latency for report in reports for _, latency in report[3]]
+        during = [
+            latency
+            for report in reports
+            for at, latency in report[3]
+            if marks["during"] + shift <= at <= marks["after"] + shift
+        ]
+        size_ratio = sizes["after"] / sizes["before"] if sizes["before"] else float("nan")
+        targets = {
+            "every minute of the hold >= 0.9x before": all(m >= 0.9 * r_before for m in minutes),
+            "priority-9 probe during the hold within 1 s": bool(during) and max(during) <= 1.0,
+            "broker tables 60 s after <= 2x before": size_ratio <= 2.0,
+        }
+        result = Result("snapshot", all(targets.values()), seconds=run.elapsed())
+        result.measures += [
+            ("hold", HOLDS[kind]),
+            (
+                "drain per minute of the hold (msg/s, x before)",
+                " / ".join(f"{m:.0f} ({m / r_before:.2f})" for m in minutes),
+            ),
+            (
+                "priority-9 probe, slowest delivery during the hold / overall (s)",
+                f"{max(during) if during else float('nan'):.2f} / "
+                f"{max(probes) if probes else float('nan'):.2f} ({len(probes)} probes)",
+            ),
+            (
+                "broker tables before / hold ends / after (MB)",
+                " / ".join(f"{sizes[k] / 1e6:.0f}" for k in ("before", "hold ends", "after"))
+                + f" ({size_ratio:.2f}x)",
+            ),
+        ]
+        result.measures += [(f"target: {k}", "PASS" if v else "FAIL") for k, v in targets.items()]
+        result.measures += [
+            ("consumers (processes, prefetch 20) / backlog kept", f"{n_cons} / 2000-6000"),
+            ("producer loops that found the backlog under 2000", dry.value),
+            ("phases before / hold / after (s)", f"{before:.0f} / {hold:.0f} / {after:.0f}"),
+            (
+                "VACUUM of the message table every (s), autovacuum is off here",
+                vacuum_every or "never",
+            ),
+            ("throughput before (msg/s)", f"{r_before:.0f}; {claim_p50('before', 'during')}"),
+            (
+                "throughput during the open snapshot (msg/s)",
+                f"{r_during:.0f} ({ratio:.0%} of before); {claim_p50('during', 'after')}",
+            ),
+            (
+                f"  first {window:.0f} s / last {window:.0f} s of the hold",
+                f"{r_first:.0f} / {r_last:.0f}",
+            ),
+            (
+                "throughput after it ended (msg/s)",
+                f"{r_after:.0f} ({r_after / r_before:.0%} of before); {claim_p50('after', 'end')}",
+            ),
+            (
+                "  after, per 10 s (msg/s)",
+                " / ".join(f"{r:.0f}" for r in r_steps),
+            ),
+            (
+                "  back at >= 80 % of before, and staying there",
+                "not within the after phase" if recovered is None else f"{recovered} s after",
+            ),
+        ]
+        result.measures += [(f"message table, {k}", _fmt_stats(v)) for k, v in stats.items()]
+        return result
