@@ -6,13 +6,14 @@
     import celery_pgqueue
 
     app = Celery("proj")
-    celery_pgqueue.configure(app, "postgresql://app@db.internal/app", keep_failed=True)
+    celery_pgqueue.configure(app, "postgresql://app@db.internal/app")
 
 Importing the package connects the failed-task archive's ``task_failure`` receiver
-(:mod:`celery_pgqueue.archive`), which does nothing unless an app turns it on, and a
-``worker_init`` receiver (:mod:`celery_pgqueue._worker`): the broker's schema is
-installed before Celery creates result tables in it, and a solo worker (its event
-loop runs its tasks) takes no handoffs.
+(:mod:`celery_pgqueue.archive`), which does nothing unless an app turns it on
+(``configure()`` does), and a ``worker_init`` receiver (:mod:`celery_pgqueue._worker`):
+the broker's schema is installed before Celery creates result tables in it, a solo
+worker (its event loop runs its tasks) takes no handoffs, and the worker's sweep trims
+the failed tasks kept.
 """
 
 from __future__ import annotations
@@ -93,9 +94,11 @@ def configure(
     whose first URL then holds the results). ``transport_options`` are pgqueue's
     (``schema``, ``visibility_timeout``, ``max_attempts``, ...; see
     :mod:`kombu_pgqueue.transport`); libpq keywords among them (``sslmode``, ...) apply
-    to the results' connections too. ``keep_failed=True`` keeps tasks that fail for
-    good in the dead letters (the setting ``pgqueue_keep_failed``; see
-    :mod:`celery_pgqueue.archive`); None leaves the setting as it is.
+    to the results' connections too. Tasks that fail for good are kept in the dead
+    letters for 7 days (the settings ``pgqueue_keep_failed`` and
+    ``pgqueue_keep_failed_for``; see :mod:`celery_pgqueue.archive`):
+    ``keep_failed=False`` turns that off, and None (the default) turns it on unless the
+    app set ``pgqueue_keep_failed`` itself.
 
     The result tables are created on first use (``database_create_tables_at_setup``
     False, unless the app set it): a process started before its database then waits
@@ -122,6 +125,8 @@ def configure(
         conf.database_engine_callback = SchemaFirst(app, found)
     if keep_failed is not None:
         conf[archive.SETTING] = keep_failed
+    elif not conf.value_set_for(archive.SETTING):
+        conf[archive.SETTING] = True
 
 
 def _results_conninfo(dsn: str, transport_options: dict[str, Any]) -> str:

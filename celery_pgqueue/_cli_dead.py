@@ -80,8 +80,8 @@ def _dead_dict(dead: admin.DeadLetter, *, body: bool = False) -> dict[str, Any]:
 
 @click.group()
 def dead() -> None:
-    """Dead letters: rejected messages, messages out of attempts and, with the setting
-    pgqueue_keep_failed, tasks that failed for good (reason failed)."""
+    """Dead letters: rejected messages, messages out of attempts and tasks that failed
+    for good (reason failed; kept for 7 days by configure(), setting pgqueue_keep_failed)."""
 
 
 #: why a message is dead (the dead_letter table's reason column)

@@ -15,6 +15,11 @@
   processes race), so it waits for its database however its results are configured;
   :func:`configure` sets the same for every process. An app that sets the setting
   itself keeps its choice.
+* **A sweep of what is kept.** A thread of the worker's main process trims the failed
+  tasks kept in the dead letters (:func:`celery_pgqueue.archive.trim`) as the worker
+  starts, then every ``pgqueue_sweep_interval`` seconds (default 3600), and the
+  worker says once in its log what it keeps and for how long. Several workers sweep
+  the same rows harmlessly: a delete is a delete.
 * **No handoffs to a loop that runs tasks.** Celery's solo pool runs each task inside
   the worker's event loop: while a task runs, the worker reads nothing. A message
   handed off to it then (docs/lifecycle.md, "Handoff") would wait behind that task
@@ -36,17 +41,21 @@ line; a worker started from Python connects them by importing ``celery_pgqueue``
 from __future__ import annotations
 
 import logging
+import threading
 import weakref
+from datetime import datetime, timedelta
 from typing import Any
 
 import psycopg
-from celery import signals
+from celery import bootsteps, signals
 from celery.concurrency import ALIASES
 from celery.concurrency.solo import TaskPool as SoloPool
 from kombu.utils.imports import symbol_by_name
 
 from kombu_pgqueue.admin import Broker
 from kombu_pgqueue.exceptions import ConfigurationError, PgQueueError
+
+from . import archive
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +85,7 @@ def _starting(sender: Any = None, **_: Any) -> None:
     _schema_first(app, broker)
     tables_on_first_use(app.conf)
     _no_handoffs_to_a_blocking_loop(app, worker.pool_cls)
+    app.steps["worker"].add(Sweep)  # the blueprint is made after worker_init
 
 
 def _broker(app: Any) -> Broker | None:
@@ -140,6 +150,79 @@ class SchemaFirst:
             previous = self.previous = symbol_by_name(previous)
         if previous is not None:
             previous(engine)
+
+
+#: the Celery setting: seconds between two sweeps of a worker
+SWEEP_INTERVAL = "pgqueue_sweep_interval"
+DEFAULT_SWEEP_INTERVAL = 3600.0
+
+
+def sweep(app: Any, *, now: datetime | None = None) -> int:
+    """One sweep of what ``app``'s broker keeps, as of ``now`` (None: the database
+    server's clock): the failed tasks' letters kept too long. Returns how many rows
+    it deleted."""
+    return archive.trim(app, now=now)
+
+
+def _duration(span: timedelta) -> str:
+    """``7 days``, ``12 hours``, ``90 seconds``: the largest unit that divides it."""
+    seconds = span.total_seconds()
+    for unit, size in (("day", 86400), ("hour", 3600), ("minute", 60)):
+        if seconds >= size and seconds % size == 0:
+            count = int(seconds // size)
+            return f"{count} {unit}{'s' if count != 1 else ''}"
+    return f"{seconds:g} seconds"
+
+
+def kept(conf: Any) -> str:
+    """What the worker's log says it keeps (see the module)."""
+    if not conf.get(archive.SETTING):
+        return "pgqueue: tasks that fail for good are not kept (setting pgqueue_keep_failed)"
+    kept_for = archive.retention(conf)
+    span = "for ever" if kept_for is None else f"for {_duration(kept_for)}"
+    return (
+        f"pgqueue: tasks that fail for good are kept as dead letters {span} "
+        "(celery pgqueue dead list --reason failed; settings pgqueue_keep_failed, "
+        "pgqueue_keep_failed_for)"
+    )
+
+
+class Sweep(bootsteps.StartStopStep):  # type: ignore[misc]  # Celery is untyped
+    """The worker's sweep (see the module): a daemon thread, from the worker's start to
+    its stop. ``stopping`` is set by :meth:`stop` only; the thread only reads it."""
+
+    label = "pgqueue sweep"
+
+    def __init__(self, parent: Any, **kwargs: Any) -> None:
+        super().__init__(parent, **kwargs)
+        self.stopping = threading.Event()
+        self.thread: threading.Thread | None = None
+
+    def start(self, parent: Any) -> None:
+        app = parent.app
+        logger.info("%s", kept(app.conf))
+        interval = float(app.conf.get(SWEEP_INTERVAL) or DEFAULT_SWEEP_INTERVAL)
+        self.thread = threading.Thread(
+            target=self._run, args=(app, interval), name="pgqueue-sweep", daemon=True
+        )
+        self.thread.start()
+
+    def stop(self, parent: Any) -> None:
+        self.stopping.set()
+        if self.thread is not None:
+            self.thread.join(timeout=10)
+
+    def _run(self, app: Any, interval: float) -> None:
+        while not self.stopping.is_set():
+            try:
+                swept = sweep(app)
+            except Exception as exc:
+                # not reachable now, or a setting refused: the next sweep tries again
+                logger.warning("pgqueue: sweep failed, tried again in %gs: %r", interval, exc)
+            else:
+                if swept:
+                    logger.info("pgqueue: sweep deleted %d rows kept too long", swept)
+            self.stopping.wait(interval)
 
 
 def _no_handoffs_to_a_blocking_loop(app: Any, pool: Any) -> None:

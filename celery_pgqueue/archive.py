@@ -1,13 +1,20 @@
-"""Failed tasks kept in the broker: ``configure(app, dsn, keep_failed=True)``.
+"""Failed tasks kept in the broker: on with ``configure()``, for 7 days.
 
 A task that raised after its last retry leaves no trace in a Celery broker: its message
 was acked, before it ran (the default) or after it failed (``acks_late``). With the
-Celery setting ``pgqueue_keep_failed = True`` (what ``keep_failed=True`` sets), such a
-task stays in the dead-letter table with reason ``failed``: its message (task name, id,
-args, kwargs, retries and every other header), ``"Type: message"`` of the exception and
-its traceback. ``celery pgqueue dead list --reason failed`` shows them, ``dead requeue``
+Celery setting ``pgqueue_keep_failed = True`` (what :func:`celery_pgqueue.configure`
+sets unless told ``keep_failed=False`` or the setting is already there), such a task
+stays in the dead-letter table with reason ``failed``: its message (task name, id, args,
+kwargs, retries and every other header), ``"Type: message"`` of the exception and its
+traceback. ``celery pgqueue dead list --reason failed`` shows them, ``dead requeue``
 runs them again with their task id (their result is then overwritten), and ``dead purge
 --older-than 7d`` trims them.
+
+They are kept for ``pgqueue_keep_failed_for`` (a ``timedelta`` or seconds; default 7
+days; None: for ever): every worker on pgqueue deletes older ones as it starts and then
+every ``pgqueue_sweep_interval`` seconds (:func:`trim`, called by the worker's sweep in
+:mod:`celery_pgqueue._worker`), so the table cannot grow without bound. Each worker says
+in its log, once, what it keeps and for how long.
 
 The ``task_failure`` signal does it, in the process that ran the task (the prefork
 pool's child; the worker's main process for a lost pool process or a hard time limit),
@@ -30,6 +37,7 @@ import logging
 import traceback as tb
 import weakref
 from collections.abc import Mapping
+from datetime import datetime, timedelta
 from typing import Any
 
 from celery import signals
@@ -43,6 +51,12 @@ logger = logging.getLogger(__name__)
 
 #: the Celery setting that turns the archive on
 SETTING = "pgqueue_keep_failed"
+
+#: the Celery setting for how long a failed task's letter is kept (None: for ever)
+RETENTION = "pgqueue_keep_failed_for"
+
+#: how long, unless the setting says otherwise: a week of failures to look into
+DEFAULT_RETENTION = timedelta(days=7)
 
 #: the dead letters' reason for a task that failed for good
 REASON = "failed"
@@ -161,6 +175,24 @@ def broker(app: Any) -> admin.Broker:
         with app.connection_for_write() as conn:
             found = _brokers[app] = admin.Broker.from_connection(conn)
     return found
+
+
+def retention(conf: Any) -> timedelta | None:
+    """How long the app keeps failed tasks' letters (None: for ever)."""
+    value = conf.get(RETENTION, DEFAULT_RETENTION)
+    if value is None or isinstance(value, timedelta):
+        return value
+    return timedelta(seconds=float(value))
+
+
+def trim(app: Any, *, now: datetime | None = None) -> int:
+    """Delete the failed tasks' letters kept longer than :func:`retention`, as of ``now``
+    (None: the database server's clock); return how many. Letters of other reasons
+    (rejected, max_attempts, ...) are the operator's to purge."""
+    kept_for = retention(app.conf)
+    if kept_for is None:
+        return 0
+    return broker(app).purge_dead(reason=REASON, older_than=kept_for, now=now)
 
 
 def keep_failed(

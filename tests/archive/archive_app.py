@@ -1,10 +1,12 @@
 """The Celery app of the failed-task archive tests, for real ``celery worker`` processes.
 
 ``celery -A archive_app worker`` builds it from ``PGQUEUE_DSN`` and ``PGQUEUE_SCHEMA``,
-with the setting ``pgqueue_keep_failed`` on (``PGQUEUE_KEEP_FAILED=0``: off) and
-results in the same database. Every task fails with :class:`Declined` until the gate
-named by its label is opened (a row in the schema's ``gate`` table), and writes each run
-to the ``runs`` table first, so the tests count executions exactly.
+with the setting ``pgqueue_keep_failed`` on (``PGQUEUE_KEEP_FAILED=0``: off; ``=default``:
+not set, as ``configure()`` leaves it) and results in the same database;
+``PGQUEUE_SWEEP_INTERVAL`` is the setting ``pgqueue_sweep_interval``. Every task fails
+with :class:`Declined` until the gate named by its label is opened (a row in the
+schema's ``gate`` table), and writes each run to the ``runs`` table first, so the tests
+count executions exactly.
 
 * ``archive.charge``: early acks (Celery's default);
 * ``archive.charge_late``: late acks, a failed task's message acked after it ran;
@@ -63,13 +65,16 @@ def _handed_off(request: Any) -> bool:
     return bool(delivery.get("pgqueue_handoff"))
 
 
-def make_app(dsn: str, schema: str, *, keep_failed: bool = True) -> Celery:
-    app = celery_app(
-        dsn,
-        schema,
-        main="archive",
-        conf={"pgqueue_keep_failed": keep_failed, "worker_hijack_root_logger": True},
-    )
+def make_app(
+    dsn: str, schema: str, *, keep_failed: bool | None = True, sweep_interval: str | None = None
+) -> Celery:
+    """``keep_failed``: the setting (None: not set); ``sweep_interval``: seconds, or None."""
+    conf: dict[str, object] = {"worker_hijack_root_logger": True}
+    if keep_failed is not None:
+        conf["pgqueue_keep_failed"] = keep_failed
+    if sweep_interval is not None:
+        conf["pgqueue_sweep_interval"] = float(sweep_interval)
+    app = celery_app(dsn, schema, main="archive", conf=conf)
 
     def run(task: Any, label: str) -> str:
         """Write the run down; fail unless gate ``label`` is open."""
@@ -142,8 +147,13 @@ def make_app(dsn: str, schema: str, *, keep_failed: bool = True) -> Celery:
 
 
 def app_from_environment() -> Celery:
-    keep = os.environ.get("PGQUEUE_KEEP_FAILED", "1") != "0"
-    return make_app(os.environ["PGQUEUE_DSN"], os.environ["PGQUEUE_SCHEMA"], keep_failed=keep)
+    keep = {"0": False, "default": None}.get(os.environ.get("PGQUEUE_KEEP_FAILED", "1"), True)
+    return make_app(
+        os.environ["PGQUEUE_DSN"],
+        os.environ["PGQUEUE_SCHEMA"],
+        keep_failed=keep,
+        sweep_interval=os.environ.get("PGQUEUE_SWEEP_INTERVAL"),
+    )
 
 
 __getattr__ = lazy_app(globals(), app_from_environment)
