@@ -16,10 +16,13 @@
   :func:`configure` sets the same for every process. An app that sets the setting
   itself keeps its choice.
 * **A sweep of what is kept.** A thread of the worker's main process trims the failed
-  tasks kept in the dead letters (:func:`celery_pgqueue.archive.trim`) as the worker
-  starts, then every ``pgqueue_sweep_interval`` seconds (default 3600), and the
-  worker says once in its log what it keeps and for how long. Several workers sweep
-  the same rows harmlessly: a delete is a delete.
+  tasks kept in the dead letters (:func:`celery_pgqueue.archive.trim`) and deletes the
+  results older than Celery's ``result_expires`` (:func:`expire_results`; Celery's
+  database backend leaves that to ``celery beat``'s ``celery.backend_cleanup``, and
+  without beat its table only grew) as the worker starts, then every
+  ``pgqueue_sweep_interval`` seconds (default 3600). The worker says once in its log
+  what it keeps and for how long. Several workers sweep the same rows harmlessly: a
+  delete is a delete.
 * **No handoffs to a loop that runs tasks.** Celery's solo pool runs each task inside
   the worker's event loop: while a task runs, the worker reads nothing. A message
   handed off to it then (docs/lifecycle.md, "Handoff") would wait behind that task
@@ -158,10 +161,40 @@ DEFAULT_SWEEP_INTERVAL = 3600.0
 
 
 def sweep(app: Any, *, now: datetime | None = None) -> int:
-    """One sweep of what ``app``'s broker keeps, as of ``now`` (None: the database
-    server's clock): the failed tasks' letters kept too long. Returns how many rows
-    it deleted."""
-    return archive.trim(app, now=now)
+    """One sweep of what ``app`` keeps, as of ``now`` (None: each store's clock): the
+    failed tasks' letters and the results kept too long. Returns how many rows it
+    deleted."""
+    return archive.trim(app, now=now) + expire_results(app, now=now)
+
+
+def _database_backend(app: Any) -> Any:
+    """``app``'s result backend if it is Celery's database backend, else None."""
+    try:
+        from celery.backends.database import DatabaseBackend
+    except ImportError:  # no SQLAlchemy: no database backend either
+        return None
+    backend = app.backend
+    return backend if isinstance(backend, DatabaseBackend) else None
+
+
+def expire_results(app: Any, *, now: datetime | None = None) -> int:
+    """Delete the task and group results of Celery's database backend older than
+    ``result_expires`` as of ``now`` (None: Celery's clock, ``app.now()``), as
+    ``celery.backend_cleanup`` does; return how many. Nothing for another backend, or
+    with ``result_expires`` None (kept for ever)."""
+    backend = _database_backend(app)
+    if backend is None or not backend.expires:
+        return 0
+    from celery.backends.database import session_cleanup
+
+    cutoff = (now or app.now()) - backend.expires
+    session = backend.ResultSession()
+    with session_cleanup(session):
+        deleted = 0
+        for model in (backend.task_cls, backend.taskset_cls):
+            deleted += int(session.query(model).filter(model.date_done < cutoff).delete())
+        session.commit()
+    return deleted
 
 
 def _duration(span: timedelta) -> str:
@@ -174,17 +207,25 @@ def _duration(span: timedelta) -> str:
     return f"{seconds:g} seconds"
 
 
-def kept(conf: Any) -> str:
+def kept(app: Any) -> str:
     """What the worker's log says it keeps (see the module)."""
+    conf = app.conf
     if not conf.get(archive.SETTING):
-        return "pgqueue: tasks that fail for good are not kept (setting pgqueue_keep_failed)"
-    kept_for = archive.retention(conf)
-    span = "for ever" if kept_for is None else f"for {_duration(kept_for)}"
-    return (
-        f"pgqueue: tasks that fail for good are kept as dead letters {span} "
-        "(celery pgqueue dead list --reason failed; settings pgqueue_keep_failed, "
-        "pgqueue_keep_failed_for)"
-    )
+        said = "pgqueue: tasks that fail for good are not kept (setting pgqueue_keep_failed)"
+    else:
+        kept_for = archive.retention(conf)
+        span = "for ever" if kept_for is None else f"for {_duration(kept_for)}"
+        said = (
+            f"pgqueue: tasks that fail for good are kept as dead letters {span} "
+            "(celery pgqueue dead list --reason failed; settings pgqueue_keep_failed, "
+            "pgqueue_keep_failed_for)"
+        )
+    backend = _database_backend(app)
+    if backend is not None:
+        expires = backend.expires
+        span = f"after {_duration(expires)}" if expires else "never (result_expires None)"
+        said += f"; results expire {span} (result_expires)"
+    return said
 
 
 class Sweep(bootsteps.StartStopStep):  # type: ignore[misc]  # Celery is untyped
@@ -200,7 +241,7 @@ class Sweep(bootsteps.StartStopStep):  # type: ignore[misc]  # Celery is untyped
 
     def start(self, parent: Any) -> None:
         app = parent.app
-        logger.info("%s", kept(app.conf))
+        logger.info("%s", kept(app))
         interval = float(app.conf.get(SWEEP_INTERVAL) or DEFAULT_SWEEP_INTERVAL)
         self.thread = threading.Thread(
             target=self._run, args=(app, interval), name="pgqueue-sweep", daemon=True
@@ -211,6 +252,10 @@ class Sweep(bootsteps.StartStopStep):  # type: ignore[misc]  # Celery is untyped
         self.stopping.set()
         if self.thread is not None:
             self.thread.join(timeout=10)
+
+    def terminate(self, parent: Any) -> None:
+        """A cold shutdown (StartStopStep's would stop only a ``create()``'d object)."""
+        self.stop(parent)
 
     def _run(self, app: Any, interval: float) -> None:
         while not self.stopping.is_set():
