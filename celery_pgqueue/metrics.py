@@ -70,6 +70,10 @@ COUNTERS = {
 }
 
 
+#: the events counted by queue
+_BY_QUEUE = frozenset(event for event, (_, _, by_queue) in COUNTERS.items() if by_queue)
+
+
 def _gauge(name: str, help_text: str, *labels: str) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, help_text, labels=list(labels))
 
@@ -86,7 +90,8 @@ class Snapshot:
 
 
 class PgQueueCollector(Collector):
-    """Queue gauges from ``monitor`` (if given) and this process's event counters.
+    """Queue gauges from ``monitor`` (if given) and this process's event counters; with
+    ``running`` (a worker's), the number of tasks it runs now.
 
     The database is asked at most once per ``min_interval`` seconds, however often and
     from however many threads it is scraped.
@@ -99,9 +104,11 @@ class PgQueueCollector(Collector):
         counters: bool = True,
         min_interval: float = DEFAULT_INTERVAL,
         clock: Callable[[], float] = time.monotonic,
+        running: Callable[[], int] | None = None,
     ) -> None:
         self.monitor = monitor
         self.counters = counters
+        self.running = running
         self.min_interval = min_interval
         self._clock = clock
         self._lock = threading.Lock()
@@ -133,6 +140,15 @@ class PgQueueCollector(Collector):
             yield from self._gauges(self.snapshot())
         if self.counters:
             yield from self._counters()
+        if self.running is not None:
+            # under early acks (Celery's default) a running task's message is gone: the
+            # queue's "leased" misses it, and only the worker knows
+            running = _gauge(
+                "pgqueue_worker_tasks_running",
+                "Tasks this worker runs now, whether their message was acked or not.",
+            )
+            running.add_metric([], float(self.running()))
+            yield running
 
     def _gauges(self, snap: Snapshot) -> Iterator[Metric]:
         assert self.monitor is not None
@@ -172,8 +188,10 @@ class PgQueueCollector(Collector):
 
     def _counters(self) -> Iterator[Metric]:
         counts = admin.counters()
-        # every queue that was claimed from gets every per-queue counter, 0 included
-        queues = sorted({queue for (event, queue) in counts if event in ("claimed", "redelivered")})
+        # every queue this process consumed from (a claim, empty or not, or a handoff: a
+        # queue served only by handoff claims nothing) gets every per-queue counter, 0
+        # included
+        queues = sorted({queue for (event, queue) in counts if event in _BY_QUEUE})
         for event, (name, help_text, by_queue) in COUNTERS.items():
             family = CounterMetricFamily(name, help_text, labels=["queue"] if by_queue else [])
             if by_queue:
@@ -224,6 +242,14 @@ def serve_forever(monitor: Monitor, port: int, addr: str, min_interval: float) -
         server.shutdown()
 
 
+def _running_tasks() -> int:
+    """Tasks the worker runs now: Celery's own record, kept in the worker's main process
+    from a task's start to its end whatever the pool and however it is acked."""
+    from celery.worker import state
+
+    return len(state.active_requests)
+
+
 class MetricsStep(bootsteps.StartStopStep):  # type: ignore[misc]  # Celery is untyped
     """Worker bootstep: serves this worker's metrics while it runs (see :func:`install`)."""
 
@@ -250,7 +276,9 @@ class MetricsStep(bootsteps.StartStopStep):  # type: ignore[misc]  # Celery is u
                 monitor = admin.Broker.from_connection(connection).monitor()
             finally:
                 connection.release()
-        collector = PgQueueCollector(monitor, min_interval=self.min_interval)
+        collector = PgQueueCollector(
+            monitor, min_interval=self.min_interval, running=_running_tasks
+        )
         try:
             self.server = serve(collector, int(self.port), self.addr)
         except OSError as exc:  # a busy port must not keep the worker from working

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from kombu import Connection
+from kombu import Connection, Consumer, Producer, Queue
 from metrics_app import Samples, parse, scrape, value
 from prometheus_client import CollectorRegistry, generate_latest
 from waiting import wait_for
@@ -124,6 +124,26 @@ def test_a_redelivery_is_counted(make_connection):
 
     assert delta(before, after, "pgqueue_claimed_total", queue="again") == 2
     assert delta(before, after, "pgqueue_redelivered_total", queue="again") == 1
+
+
+def test_a_queue_served_only_by_handoff_exports_its_counters(connection, make_connection):
+    """At low load every message is handed off: no claim hands any out. The queue's
+    counters were exported only after a claim or a redelivery, so its handoffs were
+    never seen."""
+    collector = PgQueueCollector()
+    worker = make_connection(polling_interval=3600)
+    got: list[Any] = []
+    with Consumer(worker, [Queue("handed")], callbacks=[lambda body, message: got.append(message)]):
+        worker.transport.consumer.deliver_pending(inline=True)  # its first claim: empty
+        Producer(connection).publish({"n": 1}, routing_key="handed")
+        worker.drain_events(timeout=10)
+        got[0].ack()
+        after = collected(collector)
+
+    assert value(after, "pgqueue_handoffs_total", queue="handed") == 1
+    assert value(after, "pgqueue_claimed_total", queue="handed") == 0
+    assert value(after, "pgqueue_empty_claims_total", queue="handed") == 1
+    assert value(after, "pgqueue_handbacks_total", queue="handed") == 0
 
 
 def test_a_forked_process_does_not_hold_the_metrics_socket():

@@ -121,3 +121,32 @@ def test_worker_serves_its_counters_and_the_queue_gauges(worker, dsn, schema, db
     assert value(samples, "pgqueue_rejected_total") == 0
     assert value(samples, "pgqueue_up", schema=schema) == 1.0
     assert value(samples, "pgqueue_queue_oldest_ready_age_seconds", queue="celery") == 0
+
+
+def test_a_running_task_acked_early_is_counted_by_its_worker(worker, dsn, schema, db):
+    """The queue's "leased" counts messages held by a lease; a task acked as it starts
+    has no message left, so only the worker can count it."""
+    app = make_app(dsn, schema)
+    try:
+        app.send_task("metrics.hold_early", ("early",))
+    finally:
+        app.close()
+    url = f"http://127.0.0.1:{served_port(worker)}/metrics"
+
+    def running(count: int) -> bool:
+        return value(scrape(url), "pgqueue_worker_tasks_running") == count
+
+    def gone() -> bool:
+        samples = scrape(url)
+        return all(
+            value(samples, "pgqueue_queue_messages", queue="celery", state=state) == 0
+            for state in ("ready", "leased")
+        )
+
+    try:
+        wait_for(lambda: running(1), 60, "the task running, seen", worker)
+        wait_for(gone, 60, "its message acked: neither ready nor leased", worker)
+        assert running(1)
+    finally:
+        open_gate(db, schema, "early")
+    wait_for(lambda: running(0), 60, "the task done, seen", worker)
