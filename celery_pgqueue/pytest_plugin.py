@@ -184,6 +184,56 @@ def pgqueue_celery_config(
     return config
 
 
+#: the pytest-celery adapter, loaded by a user's ``pytest_plugins``
+ADAPTER = "celery_pgqueue.pytest_celery"
+
+
+def _adapter_missing() -> str:
+    return (
+        "a pytest-celery setup on pgqueue needs the adapter, or pytest-celery runs its own "
+        f'containers: add pytest_plugins = ("{ADAPTER}",) to the root conftest.py'
+    )
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A test that uses pytest-celery's ``celery_setup`` and a pgqueue fixture, without
+    the adapter, fails before any fixture runs (Docker's are set up first)."""
+    names = getattr(item, "fixturenames", ())
+    if (
+        "celery_setup" in names
+        and any(name.startswith("pgqueue_") for name in names)
+        and not item.config.pluginmanager.has_plugin(ADAPTER)
+    ):
+        pytest.fail(_adapter_missing(), pytrace=False)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_fixture_setup(fixturedef: Any, request: pytest.FixtureRequest) -> Any:
+    """A pytest-celery setup given pgqueue's URL without the adapter fails in one line.
+
+    Without it, pytest-celery starts its worker in a container that has no pgqueue (or
+    fails to reach Docker) and says nothing about what is missing.
+    """
+    result = yield
+    if fixturedef.argname in ("celery_broker_cluster_config", "celery_setup_config") and (
+        not request.config.pluginmanager.has_plugin(ADAPTER)
+    ):
+        urls = _urls_of(result)
+        if any(url.partition("://")[0].split("+")[0] == "pgqueue" for url in urls):
+            pytest.fail(_adapter_missing(), pytrace=False)
+    return result
+
+
+def _urls_of(config: Any) -> list[str]:
+    """Broker URLs in pytest-celery's cluster config ({"urls": [...]}) or setup config."""
+    if not isinstance(config, dict):
+        return []
+    found = [str(url) for url in config.get("host_urls") or config.get("urls") or []]
+    found += str(config.get("broker_url") or "").split(";")
+    return [url for url in found if url]
+
+
 def _sqlalchemy_psycopg_available() -> bool:
     """SQLAlchemy with the ``postgresql+psycopg`` dialect (2.0 and later)."""
     try:
