@@ -34,7 +34,14 @@ def main() -> None:
     rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 5
     body = os.urandom(600)
     headers = '{"lang": "py", "task": "proj.tasks.add", "id": "' + "x" * 36 + '"}'
-    message = Outgoing("celery", body, headers, '{"priority": 0}', "application/json", "utf-8")
+    message = Outgoing(
+        queue="celery",
+        body=body,
+        headers=headers,
+        properties='{"priority": 0}',
+        content_type="application/json",
+        content_encoding="utf-8",
+    )
     box = AESGCM(AESGCM.generate_key(bit_length=256))
     sealed = seal(box, message, 7)
     rest = f"0123456789abcdef:1:7:{time.time() + 60}:{sealed}"
