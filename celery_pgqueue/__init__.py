@@ -24,6 +24,7 @@ import kombu_pgqueue  # noqa: F401 - registers the pgqueue:// transport alias
 from kombu_pgqueue import __version__  # one distribution, one version
 from kombu_pgqueue.admin import conninfo
 from kombu_pgqueue.embedded import broker_url
+from kombu_pgqueue.exceptions import ConfigurationError
 
 from . import (
     _worker,  # noqa: F401 - connects its worker_init receiver
@@ -106,7 +107,7 @@ def configure(
     made.
     """
     conf = app.conf
-    conf.broker_url = dsn if _is_broker_url(dsn) else broker_url(dsn)
+    conf.broker_url = dsn if _is_broker_url(dsn) else _broker_url_of(dsn)
     conf.broker_transport_options = {
         **dict(conf.broker_transport_options or {}),
         **transport_options,
@@ -127,6 +128,20 @@ def configure(
         conf[archive.SETTING] = keep_failed
     elif not conf.value_set_for(archive.SETTING):
         conf[archive.SETTING] = True
+
+
+def _broker_url_of(dsn: str) -> str:
+    """The ``pgqueue://`` URL of libpq DSN ``dsn``; a URL of another scheme (another
+    broker's) is refused in one line."""
+    scheme = dsn.partition("://")[0].lower() if "://" in dsn else None
+    if scheme not in (None, "postgresql", "postgres"):
+        from kombu.utils.url import maybe_sanitize_url
+
+        raise ConfigurationError(
+            "configure() takes a PostgreSQL DSN (postgresql://... or host=... dbname=...) "
+            f"or a pgqueue:// broker URL, not {maybe_sanitize_url(dsn)!r}"
+        )
+    return broker_url(dsn)
 
 
 def _results_conninfo(dsn: str, transport_options: dict[str, Any]) -> str:

@@ -23,6 +23,11 @@
   ``pgqueue_sweep_interval`` seconds (default 3600). The worker says once in its log
   what it keeps and for how long. Several workers sweep the same rows harmlessly: a
   delete is a delete.
+* **A broker URL Kombu cannot use, said in one line.** ``broker_url =
+  "postgresql://..."`` (Kombu has no such transport) ended a worker in Kombu's bare
+  ``KeyError: 'No such transport: postgresql'``; a ``celeryd_init`` receiver, which runs
+  before Celery resolves the transport, logs what to write instead
+  (:func:`transport_hint`), then Celery fails as before.
 * **No handoffs to a loop that runs tasks.** Celery's solo pool runs each task inside
   the worker's event loop: while a task runs, the worker reads nothing. A message
   handed off to it then (docs/lifecycle.md, "Handoff") would wait behind that task
@@ -54,6 +59,7 @@ from celery import bootsteps, signals
 from celery.concurrency import ALIASES
 from celery.concurrency.solo import TaskPool as SoloPool
 from kombu.utils.imports import symbol_by_name
+from kombu.utils.url import maybe_sanitize_url
 
 from kombu_pgqueue.admin import Broker
 from kombu_pgqueue.exceptions import ConfigurationError, PgQueueError
@@ -75,6 +81,44 @@ def blocks_its_loop(pool: Any) -> bool:
         path = str(ALIASES.get(pool, pool)).replace(":", ".")
         return path == str(ALIASES["solo"]).replace(":", ".")
     return isinstance(pool, type) and issubclass(pool, SoloPool)
+
+
+def transport_hint(app: Any) -> str | None:
+    """One line saying what to do when Kombu has no transport for ``app``'s broker URL
+    and pgqueue can tell why (a PostgreSQL URL, or ``pgqueue://`` in a process that did
+    not import kombu_pgqueue); None otherwise. The password is masked."""
+    url = str(app.conf.broker_url or "")
+    try:
+        app.connection_for_read().get_transport_cls()
+    except KeyError:
+        pass  # Kombu knows no transport of that name
+    except Exception:
+        return None  # a transport that is there, and fails in its own words
+    else:
+        return None
+    scheme, _, rest = url.partition("://")
+    kind = scheme.split("+")[0].lower()
+    if kind in ("postgresql", "postgres"):
+        written = maybe_sanitize_url(f"pgqueue://{rest}")
+        return (
+            f"broker_url {maybe_sanitize_url(url)!r}: Kombu has no {scheme}:// transport; "
+            f"write {written} (or call celery_pgqueue.configure(app, dsn), which makes it)"
+        )
+    if kind == "pgqueue":
+        return (
+            "the pgqueue:// transport is not registered in this process: import "
+            "celery_pgqueue (or kombu_pgqueue) where the app is made, or set "
+            "broker_transport = 'kombu_pgqueue.transport:Transport'"
+        )
+    return None
+
+
+def _before_init(sender: Any = None, instance: Any = None, **_: Any) -> None:
+    app = getattr(instance, "app", None)
+    hint = None if app is None else transport_hint(app)
+    if hint is not None:
+        # logging is not set up yet: Python's last-resort handler prints it on stderr
+        logger.error("pgqueue: %s", hint)
 
 
 def _starting(sender: Any = None, **_: Any) -> None:
@@ -289,5 +333,6 @@ def _say_so(sender: Any = None, **_: Any) -> None:
         )
 
 
+signals.celeryd_init.connect(_before_init, weak=False, dispatch_uid="celery_pgqueue.url")
 signals.worker_init.connect(_starting, weak=False, dispatch_uid="celery_pgqueue.worker")
 signals.worker_ready.connect(_say_so, weak=False, dispatch_uid="celery_pgqueue.worker.ready")

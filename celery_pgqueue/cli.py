@@ -28,6 +28,7 @@ from kombu_pgqueue.exceptions import PgQueueError
 
 from ._cli_common import broker_of, table
 from ._cli_dead import dead, parse_duration
+from ._worker import transport_hint
 
 
 def _age(seconds: float | None) -> str:
@@ -41,15 +42,20 @@ def _age(seconds: float | None) -> str:
 
 
 class _Commands(click.Group):
-    """The commands, each ending in one line when the broker's database cannot be reached
-    or pgqueue says what is wrong (a schema not installed, a privilege missing), instead
-    of a traceback."""
+    """The commands, each ending in one line when the broker's database cannot be reached,
+    pgqueue says what is wrong (a schema not installed, a privilege missing) or Kombu has
+    no transport for the broker URL, instead of a traceback."""
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
         except PgQueueError as exc:  # says what is wrong and what to do, in one line
             raise click.ClickException(str(exc)) from exc
+        except KeyError as exc:  # Kombu's "No such transport": say what to write instead
+            hint = transport_hint(ctx.obj.app) if ctx.obj else None
+            if hint is None:
+                raise
+            raise click.ClickException(hint) from exc
         except psycopg.OperationalError as exc:
             # only a connection that failed; a statement's error (a timeout, a deadlock,
             # a read-only server) keeps its own words and traceback
