@@ -55,7 +55,7 @@ def _dead_dict(dead: admin.DeadLetter, *, body: bool = False) -> dict[str, Any]:
         "id": dead.id,
         "queue": dead.queue,
         "task": headers.get("task"),
-        "task_id": headers.get("id"),
+        "task_id": dead.task_id,
         "argsrepr": headers.get("argsrepr"),
         "kwargsrepr": headers.get("kwargsrepr"),
         "retries": headers.get("retries"),
@@ -116,13 +116,22 @@ def dead_list(
 
 @dead.command("show")
 @click.argument("message_id", type=int)
+@click.option("--json", "as_json", is_flag=True, help="print JSON for scripts")
 @click.pass_context
-def dead_show(ctx: click.Context, message_id: int) -> None:
-    """Show one dead letter in full (traceback, headers, properties, body)."""
+def dead_show(ctx: click.Context, message_id: int, as_json: bool) -> None:
+    """Show one dead letter in full (headers, properties, body, then its traceback)."""
     found = broker_of(ctx).dead_letter(message_id)
     if found is None:
         raise click.ClickException(f"no dead letter with id {message_id}")
-    click.echo(json.dumps(_dead_dict(found, body=True), indent=2, default=str))
+    shown = _dead_dict(found, body=True)
+    if as_json:
+        click.echo(json.dumps(shown, indent=2, default=str))
+        return
+    # a traceback reads as Python prints it, not as one escaped JSON string
+    traceback = shown.pop("traceback")
+    click.echo(json.dumps(shown, indent=2, default=str))
+    if traceback:
+        click.echo("\n" + str(traceback).rstrip("\n"))
 
 
 @dead.command("requeue")

@@ -8,6 +8,7 @@ text): turning them into Kombu's dicts and back is :mod:`kombu_pgqueue.codec`'s 
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -84,6 +85,15 @@ class Handoff:
     row: Delivered
 
 
+def _task_id(headers: str) -> str | None:
+    """Header ``id`` of stored headers ``headers`` (JSON text), if it is a string."""
+    try:
+        found = json.loads(headers).get("id")
+    except (ValueError, AttributeError):  # text kept as it came, or not an object
+        return None
+    return found if isinstance(found, str) else None
+
+
 @dataclass(frozen=True, slots=True)
 class DeadLetter:
     id: int
@@ -105,6 +115,13 @@ class DeadLetter:
     #: the traceback of a task that failed (reason failed); None otherwise, and from
     #: the listings that do not read it
     traceback: str | None = None
+    #: the Celery task id (header ``id``) of the message; None if it has none. Read from
+    #: ``headers`` when not given
+    task_id: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.task_id is None:
+            object.__setattr__(self, "task_id", _task_id(self.headers))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -163,6 +163,18 @@ def test_dead_letters_list_show_and_filter(connection: Connection, broker: Broke
     assert broker.dead_letter(max(d.id for d in everything) + 1000) is None
 
 
+def test_a_dead_letter_names_its_celery_task_id(connection: Connection, broker: Broker) -> None:
+    """The CLI shows a letter's task id; the record had none (issue 32, item 8)."""
+    publish(connection, "named", 1, id="task-1", task="proj.add")
+    publish(connection, "named", 1)  # not a Celery task: no id
+    reject(connection, "named", 2)
+
+    listed = broker.dead_letters("named")
+    assert [d.task_id for d in listed] == ["task-1", None]
+    shown = broker.dead_letter(listed[0].id)
+    assert shown is not None and shown.task_id == "task-1"
+
+
 def test_requeue_dead_puts_letters_back_in_their_queue(
     connection: Connection, broker: Broker
 ) -> None:

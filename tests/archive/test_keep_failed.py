@@ -181,7 +181,7 @@ def test_failed_tasks_are_kept_whatever_settles_them_and_run_again_with_their_id
     }
     assert {d["argsrepr"] for d in listed if d["task_id"] == early.id} == {"('card', 10)"}
     assert json.loads(cli("dead", "list", "--reason", "rejected", "--json").stdout) == []
-    shown = json.loads(cli("dead", "show", str(early_letter.id)).stdout)
+    shown = json.loads(cli("dead", "show", str(early_letter.id), "--json").stdout)
     assert shown["traceback"] == early_letter.traceback
     assert shown["error"] == early_letter.error
 

@@ -189,7 +189,7 @@ def test_dead_list_and_show(cli, sent, db, schema):
     ]
     assert all(task_id in listed for task_id in sent["doomed"])
 
-    shown = json.loads(cli("dead", "show", str(found[1]["id"])).stdout)
+    shown = json.loads(cli("dead", "show", str(found[1]["id"]), "--json").stdout)
     assert shown["id"] == found[1]["id"]
     assert shown["headers"]["id"] == sent["doomed"][1]
     assert shown["headers"]["task"] == "lifecycle.work"
@@ -391,9 +391,13 @@ def test_dead_list_by_reason_shows_a_failed_tasks_error(cli, sent, failed):
     assert len(lines) == 3 and lines[0].split()[-1] == "error"
     # the table shows the error's last line, cut short; dead show has it whole
     assert lines[2].endswith("tasks.PaymentDeclined: card declined card declined card d...")
-    shown = json.loads(cli("dead", "show", str(failed)).stdout)
+    shown = json.loads(cli("dead", "show", str(failed), "--json").stdout)
     assert shown["error"] == "tasks.PaymentDeclined: " + "card declined " * 10
     assert shown["traceback"] == "Traceback (most recent call last):\n  ...\n"
+    # without --json the traceback follows as Python prints it, not as an escaped string
+    text = cli("dead", "show", str(failed)).stdout
+    assert text.endswith("}\n\nTraceback (most recent call last):\n  ...\n")
+    assert '"traceback"' not in text
 
 
 def test_dead_requeue_all_of_a_reason(cli, sent, failed, db, schema):
