@@ -220,7 +220,7 @@ def snapshot(ctx: Context, vacuum_every: float, kind: str = "dump") -> Result:
         if marks["after"] - edges[-1] > 10 or len(edges) == 1:
             edges.append(marks["after"])
         minutes = [rate(a, b) for a, b in zip(edges, edges[1:])]
-        shift = (time.time() - t0) - time.monotonic()  # probe times are wall clock
+        shift = time.time() - time.monotonic()  # probe times are wall clock
         probes = [latency for report in reports for _, latency in report[3]]
         during = [
             latency
