@@ -67,13 +67,18 @@ def is_pgqueue_url(url: str) -> bool:
 
 
 class PgqueueServer:
-    """A broker or backend "container": the test's database, reached by URL."""
+    """A broker or backend "container": the test's database, reached by URL.
+
+    As with a docker-py container, ``status`` is what the last ``reload()`` saw: a node
+    killed with ``reload_container=False`` still reads "running".
+    """
 
     def __init__(self, dsn: str, url: str, role: str) -> None:
         self.dsn = dsn
         self.url = url
         self.id = uuid.uuid4().hex
         self.name = f"pgqueue-{role}-{self.id[:12]}"
+        self.running = True  # kill() and restart() set it; reload() copies it to status
         self.status = "running"
 
     @property
@@ -89,15 +94,16 @@ class PgqueueServer:
     def logs(self) -> str:
         return ""
 
-    def kill(self, signal: str | int = "SIGKILL") -> None:
-        # the server is shared by every test of the session: it is not stopped
-        self.status = "exited"
+    def kill(self, signal: str | int | None = "SIGKILL") -> None:
+        # the server is shared by every test of the session: it is not stopped (a node
+        # that really stops is a subclass over a server of its own)
+        self.running = False
 
     def restart(self, timeout: float | None = None) -> None:
-        self.status = "running"
+        self.running = True
 
     def reload(self) -> None:
-        pass
+        self.status = "running" if self.running else "exited"
 
     def teardown(self) -> None:
         pass  # pgqueue_schema drops the test's schema, results and all
@@ -150,6 +156,22 @@ class LocalWorker:
         self.log_path = self.root / "worker.log"
         self.proc: subprocess.Popen[bytes] | None = None
         self.start()
+        self.status = "running"  # what the last reload() saw, as docker-py's status
+
+    def __getattr__(self, name: str) -> Any:
+        # the vendor class's classmethods (app_module(), command(), ...), as on the
+        # container pytest-celery would have made from it
+        if name.startswith("__") or name == "container_cls":
+            raise AttributeError(name)
+        return getattr(self.container_cls, name)
+
+    @property
+    def client(self) -> LocalWorker:
+        return self  # as pytest-celery's own worker containers answer
+
+    @property
+    def celeryconfig(self) -> dict[str, str]:
+        raise NotImplementedError  # a worker has no URL (CeleryWorkerContainer's answer)
 
     # -- the process ----------------------------------------------------------------
     def start(self) -> None:
@@ -163,9 +185,8 @@ class LocalWorker:
                 start_new_session=True,
             )
 
-    @property
-    def status(self) -> str:
-        return "running" if self.proc is not None and self.proc.poll() is None else "exited"
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
 
     def ready(self, timeout: float = DEFAULT_WORKER_CONTAINER_TIMEOUT) -> bool:
         """Wait for the worker's ``ready.`` line; fail with its log if it exits first."""
@@ -189,9 +210,9 @@ class LocalWorker:
     def logs(self) -> str:
         return self.log_path.read_text(errors="replace")
 
-    def kill(self, signal: str | int = "SIGKILL") -> None:
+    def kill(self, signal: str | int | None = "SIGKILL") -> None:
         """Signal the worker's process group (pool children too) and wait for it."""
-        number = signal if isinstance(signal, int) else _signal_number(signal)
+        number = signal if isinstance(signal, int) else _signal_number(signal or "SIGKILL")
         if self.proc is None or self.proc.poll() is not None:
             return
         os.killpg(self.proc.pid, number)
@@ -208,7 +229,7 @@ class LocalWorker:
         self.start()
 
     def reload(self) -> None:
-        pass
+        self.status = "running" if self.running() else "exited"
 
     def teardown(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -280,40 +301,71 @@ def celery_backend(celery_pgqueue_backend: Any) -> Any:
     return celery_pgqueue_backend
 
 
-def _start_worker(request: pytest.FixtureRequest, tmp_path: Path) -> Any:
+def local_worker(
+    request: pytest.FixtureRequest, root: Path, container_cls: Any = None
+) -> LocalWorker:
+    """A ready worker process built from the test's ``default_worker_*`` fixtures.
+
+    ``container_cls`` (default: ``default_worker_container_cls``) names the worker and
+    its queue, as a vendor class does for a container: a second worker of another class
+    takes that class's ``command()`` (the test's ``default_worker_command`` belongs to
+    the default worker).
+    """
     value = request.getfixturevalue
     app = value("default_worker_app")
     if hasattr(app.backend, "ResultSession"):
         # the result tables, made here once: the test's first result and the worker's
         # would otherwise race to create them (a unique violation in pg_type)
         app.backend.ResultSession().close()
+    if container_cls is None:
+        container_cls = value("default_worker_container_cls")
+        command = list(value("default_worker_command"))
+    else:
+        command = list(container_cls.command())
     node = LocalWorker(
-        container_cls=value("default_worker_container_cls"),
+        container_cls=container_cls,
         content=value("default_worker_initial_content"),
         env=value("default_worker_env"),
-        command=list(value("default_worker_command")),
-        root=tmp_path,
+        command=command,
+        root=root,
     )
     try:
         node.ready()
     except BaseException:
         node.teardown()
         raise
-    return value("default_worker_cls")(container=node, app=app)
+    return node
 
 
 @pytest.fixture
-def celery_setup_worker(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Any]:
+def default_worker_container(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Any]:
+    """pytest-celery's worker container: here a local ``celery worker`` process."""
+    node = local_worker(request, tmp_path)
+    yield node
+    node.teardown()
+
+
+@pytest.fixture
+def celery_setup_worker(
+    default_worker_cls: Any, default_worker_container: LocalWorker, default_worker_app: Any
+) -> Iterator[Any]:
     """pytest-celery's worker (what ``celery_worker`` returns): a local process."""
-    worker: CeleryTestWorker = _start_worker(request, tmp_path)
+    worker: CeleryTestWorker = default_worker_cls(
+        container=default_worker_container, app=default_worker_app
+    )
     yield worker
     worker.teardown()
 
 
 @pytest.fixture
-def celery_pgqueue_worker(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Any]:
+def celery_pgqueue_worker(
+    request: pytest.FixtureRequest, tmp_path: Path, default_worker_cls: Any
+) -> Iterator[Any]:
     """Another worker process like ``celery_setup_worker``, for a cluster of two."""
-    worker: CeleryTestWorker = _start_worker(request, tmp_path)
+    node = local_worker(request, tmp_path)
+    worker: CeleryTestWorker = default_worker_cls(
+        container=node, app=request.getfixturevalue("default_worker_app")
+    )
     yield worker
     worker.teardown()
 
