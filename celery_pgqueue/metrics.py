@@ -56,7 +56,16 @@ COUNTERS = {
     "rejected": ("pgqueue_rejected", "Messages rejected into the dead letters.", False),
     "renewed": ("pgqueue_lease_renewals", "Leases renewed by the lease keeper.", False),
     "lost_leases": ("pgqueue_lost_leases", "Renewals that found the lease gone.", False),
-    "unroutable": ("pgqueue_unroutable", "Messages no binding matched: dropped.", False),
+    "unroutable": (
+        "pgqueue_unroutable",
+        "Persistent messages no binding matched: dropped, lost.",
+        False,
+    ),
+    "unroutable_transient": (
+        "pgqueue_unroutable_transient",
+        "Transient messages no binding matched (Celery's events with no monitor): dropped.",
+        False,
+    ),
     "publish_failed": (
         "pgqueue_publish_failed",
         "Unconfirmed publishes the server refused (logged).",

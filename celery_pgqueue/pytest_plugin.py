@@ -225,6 +225,42 @@ def pytest_fixture_setup(fixturedef: Any, request: pytest.FixtureRequest) -> Any
     return result
 
 
+#: what Kombu's KeyError says of a broker URL whose scheme names no transport it knows
+_NO_TRANSPORT = "No such transport: "
+
+
+def transport_hint(error: BaseException) -> str | None:
+    """One line for a test that failed because Kombu knows no transport for the URL's
+    scheme, saying what to write; None for any other error."""
+    text = str(error.args[0]) if isinstance(error, KeyError) and error.args else ""
+    if not text.startswith(_NO_TRANSPORT):
+        return None
+    scheme = text[len(_NO_TRANSPORT) :].split()[0].rstrip(".").lower()
+    if scheme.split("+")[0] in ("postgresql", "postgres"):
+        return (
+            f"pgqueue: Kombu has no {scheme}:// transport: write the broker URL as "
+            "pgqueue://... (the pgqueue_broker_url fixture gives it) or call "
+            "celery_pgqueue.configure(app, dsn)"
+        )
+    if scheme == "pgqueue":
+        return (
+            "pgqueue: the pgqueue:// transport is not registered in this process: import "
+            "celery_pgqueue (or kombu_pgqueue) where the app is made"
+        )
+    return None
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    """A test that failed on Kombu's bare ``KeyError: 'No such transport: ...'`` gets one
+    line saying what to do, under its traceback."""
+    report = yield
+    hint = transport_hint(call.excinfo.value) if call.excinfo is not None else None
+    if hint is not None:
+        report.sections.append(("pgqueue", hint))
+    return report
+
+
 def _urls_of(config: Any) -> list[str]:
     """Broker URLs in pytest-celery's cluster config ({"urls": [...]}) or setup config."""
     if not isinstance(config, dict):

@@ -21,7 +21,8 @@ EVENTS = (
     "rejected",  # rejected without requeue: moved to the dead letters
     "renewed",  # lease renewals that kept the lease
     "lost_leases",  # renewals that found the lease gone (acked meanwhile, or lapsed)
-    "unroutable",  # published to an exchange where no binding matched: dropped
+    "unroutable",  # a persistent message no binding matched: dropped (lost)
+    "unroutable_transient",  # a transient one (Celery's events, no monitor): expected
     "publish_failed",  # unconfirmed publishes (confirm_publish=False) the server refused
     "publish_lost",  # unconfirmed publishes in flight on a connection that broke
 )

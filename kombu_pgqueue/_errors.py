@@ -13,6 +13,7 @@ connection error (:class:`ServerUnavailable`), so Kombu reconnects and retries.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -30,6 +31,15 @@ from .exceptions import (
 )
 
 MIGRATE_COMMAND = "python -m kombu_pgqueue migrate --dsn <dsn> --schema {schema}"
+
+
+def migrate_command(schema: str) -> str:
+    """The command that installs or upgrades ``schema``: Celery's, where Celery runs
+    (the app knows the DSN and the schema), and the module's, which works anywhere."""
+    command = MIGRATE_COMMAND.format(schema=schema)
+    if "celery" in sys.modules:
+        return f"celery -A <your app> pgqueue migrate (or {command})"
+    return command
 
 
 @contextmanager
@@ -139,7 +149,7 @@ def creating_schema(conn: psycopg.Connection, schema: str) -> Iterator[None]:
     try:
         yield
     except errors.InsufficientPrivilege as exc:
-        role, command = _role(conn), MIGRATE_COMMAND.format(schema=schema)
+        role, command = _role(conn), migrate_command(schema)
         owner = _owner(conn, schema)
         if owner is not None:  # an upgrade: only the schema's owner may change it
             raise PrivilegeError(

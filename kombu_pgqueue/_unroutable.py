@@ -23,9 +23,12 @@ class Unroutable:
         self._logged: set[tuple[str, str]] = set()
 
     def report(self, exchange: str, routing_key: str, message: dict[str, Any]) -> None:
-        _counters.add("unroutable")
         if message.get("properties", {}).get("delivery_mode") == 1:
-            return  # transient (Celery's events with no monitor): expected to vanish
+            # transient (Celery's events with no monitor bound): expected to vanish, and
+            # counted apart, so that an alert on 'unroutable' means a lost message
+            _counters.add("unroutable_transient")
+            return
+        _counters.add("unroutable")
         where = f"exchange {exchange!r} with routing key {routing_key!r}"
         if self.mode == "raise":
             raise MessageError(

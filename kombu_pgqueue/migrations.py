@@ -13,7 +13,7 @@ import psycopg
 from psycopg import sql
 
 from . import _sql
-from ._errors import MIGRATE_COMMAND, creating_schema, installing, using_schema
+from ._errors import creating_schema, installing, migrate_command, using_schema
 from ._options import DEFAULT_SCHEMA, check_schema
 from .exceptions import SchemaError
 
@@ -118,8 +118,8 @@ def check(conn: psycopg.Connection, schema: str = DEFAULT_SCHEMA) -> None:
     raise SchemaError(
         f"pgqueue schema {schema!r} in database {conn.info.dbname!r} {state}; this code "
         f"needs version {need}. Have a role that may create it (the schema's owner) run: "
-        f"{MIGRATE_COMMAND.format(schema=schema)} (or, for a role that may, leave the "
-        "transport option auto_migrate on)"
+        f"{migrate_command(schema)}; or, for a role that may, leave the "
+        "transport option auto_migrate on"
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import sys
 import threading
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -84,6 +85,9 @@ def test_auto_migrate_off_on_a_missing_schema_raises_schema_error(
     assert COMMAND in message
     assert schema in message
     assert not _schema_exists(db, schema)
+    # where Celery runs (the suite imports it), its command first: the app knows the DSN
+    assert "celery" in sys.modules
+    assert "celery -A <your app> pgqueue migrate" in message
 
 
 def test_auto_migrate_off_after_the_migrate_command_connects(

@@ -239,3 +239,24 @@ def test_without_a_dsn_an_embedded_server_lives_for_the_session(
     socket_dir = Path(conninfo_to_dict(dsn1)["host"])
     assert socket_dir.name.startswith("pgqueue-pytest-")
     assert not socket_dir.exists()
+
+
+def test_a_postgresql_broker_url_fails_with_one_line_saying_what_to_write(
+    pytester: pytest.Pytester, pgqueue_dsn: str
+) -> None:
+    """A user's app given the database's URL (``postgresql://``) fails on Kombu's bare
+    KeyError; the plugin adds the line that says what to write."""
+    pytester.makepyfile(
+        """
+        from celery import Celery
+
+        def test_publish(pgqueue_dsn):
+            app = Celery("mine", broker="postgresql://app@db/app")
+            app.send_task("anything")
+        """
+    )
+    result = run(pytester, "--pgqueue-dsn", pgqueue_dsn)
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(
+        ["*No such transport: postgresql*", "*write the broker URL as pgqueue://*"]
+    )
