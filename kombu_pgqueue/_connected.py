@@ -38,6 +38,11 @@ _RELAXED = frozenset(
 #: statements that go through an enlisted application transaction, if there is one
 _PUBLISHES = frozenset({"publish", "publish_many", "publish_routed"})
 
+#: a publish's deadline grows by a second for every this many bytes of its message, so
+#: that a large message is not cut off while it is sent and stored (511 MiB took 40 s
+#: on CI's embedded PostgreSQL)
+PUBLISH_BYTES_PER_SECOND = 4 << 20
+
 #: what one publish attempt runs, each bounded by the publish_timeout option too
 #: (publish_many, which may carry a big batch, keeps statement_timeout alone)
 _PUBLISH_ATTEMPT = frozenset(
@@ -98,12 +103,17 @@ class Connected:
         return self._pool
 
     @contextmanager
-    def _connection(self, name: str) -> Iterator[psycopg.Connection]:
-        """A pooled connection for statement ``name``, its errors translated, under
-        the statement deadline; a pool whose server went away is discarded."""
+    def _connection(self, name: str, size: int = 0) -> Iterator[psycopg.Connection]:
+        """A pooled connection for statement ``name`` (that sends ``size`` bytes of
+        message), its errors translated, under the statement deadline; a pool whose
+        server went away is discarded."""
         pool = self.pool
         try:
-            with self.translated(name), pool.connection() as conn, self._deadline(conn, name):
+            with (
+                self.translated(name),
+                pool.connection() as conn,
+                self._deadline(conn, name, size),
+            ):
                 yield conn
         except CONNECTION_ERRORS as exc:
             if _lost(exc):
@@ -111,13 +121,16 @@ class Connected:
             raise
 
     @contextmanager
-    def _deadline(self, conn: psycopg.Connection, name: str) -> Iterator[None]:
+    def _deadline(self, conn: psycopg.Connection, name: str, size: int = 0) -> Iterator[None]:
         """Statement ``name`` on ``conn``, cut off (its connection closed) when the
         server does not answer: after statement_timeout plus DEADLINE_GRACE, or, for a
-        publish attempt's statements, publish_timeout if that is sooner."""
+        publish attempt's statements, publish_timeout (plus a second for every
+        PUBLISH_BYTES_PER_SECOND of its ``size``) if that is sooner."""
         timeout = self.options.statement_timeout
         seconds, option = (timeout + DEADLINE_GRACE, "statement_timeout") if timeout else (0, "")
         bound = self.options.publish_timeout if name in _PUBLISH_ATTEMPT else 0
+        if bound:
+            bound += size / PUBLISH_BYTES_PER_SECOND
         if bound and (not seconds or bound < seconds):
             seconds, option, timeout = bound, "publish_timeout", bound
         if not seconds:
@@ -158,7 +171,9 @@ class Connected:
         if name in _RELAXED:
             # the statement itself turns synchronous_commit off for its own commit
             params["synchronous_commit"] = "off" if self.options.relax_consumer_commits else None
-        with self._connection(name) as conn:
+        body = params.get("body")
+        size = len(body) if isinstance(body, (bytes, bytearray, memoryview)) else 0
+        with self._connection(name, size) as conn:
             cur = conn.execute(self._q[name], params, prepare=prepare)
             # the result's status, not cur.description (which builds a Column per column)
             result = cur.pgresult

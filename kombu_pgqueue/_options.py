@@ -63,7 +63,8 @@ Transport options
   its policy. Bulk COPY and migrations run on connections of their own, without it.
 * ``publish_timeout`` (float, 5): the longest a publish waits for a server that does
   not answer (hung, unreachable, a commit waiting for a synchronous standby that is
-  gone), in seconds; 0: only ``statement_timeout`` bounds it. It bounds each attempt
+  gone), in seconds, plus one second for every 4 MiB of the message (a large message is
+  not cut off while it is sent); 0: only ``statement_timeout`` bounds it. It bounds each attempt
   of ``Producer.publish`` / ``apply_async``: the publish statement and the declarations
   it makes (their client-side deadline is the sooner of this and ``statement_timeout``
   plus 2 s; the connection is closed and the attempt raises
