@@ -376,7 +376,8 @@ def celery_setup_config(
 ) -> dict[str, Any]:
     """pytest-celery's URLs, and pgqueue's schema for the broker and the results."""
     urls = str(celery_setup_config.get("broker_url") or "").split(";")
-    strangers = [url for url in urls if not is_pgqueue_url(url)]
+    # no URL at all is a setup without a broker cluster (celery_broker_cluster = None)
+    strangers = [url for url in urls if url and not is_pgqueue_url(url)]
     if strangers:
         pytest.fail(
             f"celery_pgqueue.pytest_celery: the broker cluster holds {strangers[0]!r}, not a "

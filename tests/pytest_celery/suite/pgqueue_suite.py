@@ -40,6 +40,7 @@ from kombu_pgqueue.embedded import broker_url
 
 __all__ = [
     "CONTAINER_ONLY",
+    "DIFFERENT",
     "ClusterServer",
     "celery_broker_cluster",
     "default_worker_container",
@@ -70,9 +71,35 @@ CONTAINER_ONLY: dict[str, str] = {
         "asserts the versions of two worker images built for Celery 4.4.7 and 5.2.7; a "
         "local worker is the installed Celery (pgqueue needs Celery 5.5 or later)"
     ),
-    "test_disabling_cluster::test_disabling_backend_cluster": (
+    "vendors/test_worker.py::test_celery_worker_container::test_disabling_cluster": (
         "asserts the image's default broker URL (DEFAULT_WORKER_ENV, amqp://) in the "
         "worker's banner; a pgqueue worker's banner shows its pgqueue:// URL"
+    ),
+}
+
+
+#: node-id fragment -> why the test's assertion does not hold on pgqueue nodes (run,
+#: marked xfail: the suite's xfail_strict turns an unexpected pass into a failure)
+DIFFERENT: dict[str, str] = {
+    "test_worker_is_connected_to_backend": (
+        "strips only 'cache+' from the backend URL; Celery's database backend's as_uri() "
+        "drops 'db+' from db+postgresql+psycopg://"
+    ),
+    "test_worker_is_connected_to_broker": (
+        "strips only 'guest:**@'; Kombu's as_uri() of pgqueue:// adds ':**' and the "
+        "default port 5432 to the node's URL"
+    ),
+    "test_worker.py::test_celey_test_worker::test_version": (
+        "the vendor class's version is '' (the image's newest Celery); a local worker "
+        "reports the Celery it runs"
+    ),
+    "test_worker.py::test_celery_worker_cluster::test_versions": (
+        "as test_version: the installed Celery, not the vendor class's ''"
+    ),
+    "tests/unit/vendors/test_worker/test_worker.py::test_celery_worker_container::"
+    "test_celery_worker_container_env": (
+        "asserts the default env's cache+memory:// backend; the adapter's backend node "
+        "is the database backend (a memory cache cannot cross processes)"
     ),
 }
 
@@ -83,6 +110,11 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             if fragment in item.nodeid:
                 item.add_marker(pytest.mark.skip(reason=f"container-only: {reason}"))
                 break
+        else:
+            for fragment, reason in DIFFERENT.items():
+                if fragment in item.nodeid:
+                    item.add_marker(pytest.mark.xfail(reason=f"pgqueue: {reason}"))
+                    break
 
 
 def worker_of(container_cls: type[Any], name: str) -> Any:
