@@ -143,10 +143,17 @@ def _forget_connections_to(schema: str) -> None:
 
 @pytest.fixture(scope="session")
 def pgqueue_broker_url(pgqueue_dsn: str) -> str:
-    """The ``pgqueue://`` broker URL of ``pgqueue_dsn``."""
+    """The ``pgqueue://`` broker URL of ``pgqueue_dsn``, with its port written out (as
+    libpq would choose it): a failover list of it and another server's URL then fails
+    over (Kombu keeps the previous URL's port for a URL that gives none)."""
+    from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
     from kombu_pgqueue.embedded import broker_url  # importing registers pgqueue://
 
-    return broker_url(pgqueue_dsn)
+    params = conninfo_to_dict(pgqueue_dsn)
+    if not params.get("port") and "," not in str(params.get("host", "")):
+        params["port"] = os.environ.get("PGPORT") or "5432"
+    return broker_url(make_conninfo("", **params))
 
 
 @pytest.fixture

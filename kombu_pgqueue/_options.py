@@ -113,7 +113,7 @@ import difflib
 import logging
 import os
 import zlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -348,6 +348,28 @@ def parse_options(transport_options: Mapping[str, Any]) -> Options:
             f"got {options.renewal_interval}s"
         )
     return options
+
+
+def check_failover_list(urls: Sequence[str]) -> None:
+    """Refuse a failover list (``broker_url = "url1;url2"``) whose URLs give a port, or
+    a database, in some and not in others: when Kombu fails over to a URL without one,
+    it keeps the one of the URL it left (``Connection.switch``), and would connect to
+    the wrong port or database, refused at once, while the right server waits."""
+    from kombu.utils.url import maybe_sanitize_url, parse_url
+
+    if len(urls) < 2:
+        return
+    parsed = [(url, parse_url(url)) for url in urls if "://" in url]
+    for key, what in (("port", "a port"), ("virtual_host", "a database")):
+        given = [url for url, fields in parsed if fields.get(key)]
+        missing = [url for url, fields in parsed if not fields.get(key)]
+        if given and missing:
+            raise ConfigurationError(
+                f"broker URL {maybe_sanitize_url(missing[0])!r} of a failover list gives no "
+                f"{what[2:]} where "
+                f"{maybe_sanitize_url(given[0])!r} gives one: Kombu would keep the other's "
+                f"when it fails over to it; give every URL of the list {what}"
+            )
 
 
 def connection_conninfo(connection: Any, libpq: Mapping[str, str]) -> str:

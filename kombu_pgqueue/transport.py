@@ -53,7 +53,7 @@ from . import _pipelined, codec
 from ._connected import CONNECTION_ERRORS
 from ._consumer import Consumer
 from ._loop import LoopDriver, drain
-from ._options import check_name, connection_conninfo, parse_options
+from ._options import check_failover_list, check_name, connection_conninfo, parse_options
 from ._qos import Message, QoS
 from ._store import Store, driver_version
 from ._topics import topic_pattern
@@ -338,6 +338,7 @@ class Transport(virtual.Transport):
 
     def __init__(self, client: Any, **kwargs: Any) -> None:
         self.options = parse_options(client.transport_options)
+        check_failover_list(getattr(client, "alt", None) or [])
         self.unroutable = Unroutable(self.options.unroutable)
         super().__init__(client, **kwargs)  # type: ignore[no-untyped-call]
         self.polling_interval = self.options.polling_interval

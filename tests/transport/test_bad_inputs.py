@@ -266,3 +266,20 @@ def test_priority_out_of_range_is_clamped(connection: Connection) -> None:
         message.ack()
 
     assert [body for body, _ in received] == ["above", "middle", "below"]
+
+
+def test_a_failover_list_mixing_urls_with_and_without_a_port_is_refused_naming_them() -> None:
+    """Kombu keeps the port (and database) of the URL it leaves when it fails over to one
+    that gives none: a publish then went to the dead server's port on the next host and
+    failed at once, never reaching the live server (pytest-celery's failover test)."""
+    urls = "pgqueue://app:secret@db1:5433/jobs;pgqueue://app:secret@db2/jobs"
+    with pytest.raises(ConfigurationError) as caught:
+        _ = Connection(urls).transport
+    message = str(caught.value)
+    assert "pgqueue://app:**@db2/jobs" in message and "port" in message
+    assert "secret" not in message
+    with pytest.raises(ConfigurationError, match="database"):
+        _ = Connection("pgqueue://db1:5432/jobs;pgqueue://db2:5432").transport
+    # the same fields everywhere, or one URL: as before
+    _ = Connection("pgqueue://db1:5433/jobs;pgqueue://db2:5432/jobs").transport
+    _ = Connection("pgqueue://db1/jobs;pgqueue://db2/jobs").transport
