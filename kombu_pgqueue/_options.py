@@ -359,10 +359,10 @@ def check_failover_list(urls: Sequence[str]) -> None:
 
     if len(urls) < 2:
         return
-    parsed = [(url, parse_url(url)) for url in urls if "://" in url]
+    parsed = [(url, _url_gives(url, parse_url)) for url in urls if "://" in url]
     for key, what in (("port", "a port"), ("virtual_host", "a database")):
-        given = [url for url, fields in parsed if fields.get(key)]
-        missing = [url for url, fields in parsed if not fields.get(key)]
+        given = [url for url, gives in parsed if key in gives]
+        missing = [url for url, gives in parsed if key not in gives]
         if given and missing:
             raise ConfigurationError(
                 f"broker URL {maybe_sanitize_url(missing[0])!r} of a failover list gives no "
@@ -370,6 +370,24 @@ def check_failover_list(urls: Sequence[str]) -> None:
                 f"{maybe_sanitize_url(given[0])!r} gives one: Kombu would keep the other's "
                 f"when it fails over to it; give every URL of the list {what}"
             )
+
+
+def _url_gives(url: str, parse_url: Any) -> set[str]:
+    """Which of port and database (Kombu's virtual_host) a broker URL gives; a libpq URL
+    (``pgqueue+postgresql://...``) gives what its own parameters give."""
+    scheme, _, rest = url.partition("://")
+    if "+" in scheme:
+        import psycopg
+        from psycopg.conninfo import conninfo_to_dict
+
+        try:
+            params = conninfo_to_dict(scheme.split("+", 1)[1] + "://" + rest)
+        except psycopg.ProgrammingError:
+            return set()
+        names = (("port", "port"), ("virtual_host", "dbname"))
+        return {key for key, name in names if params.get(name)}
+    fields = parse_url(url)
+    return {key for key in ("port", "virtual_host") if fields.get(key)}
 
 
 def connection_conninfo(connection: Any, libpq: Mapping[str, str]) -> str:

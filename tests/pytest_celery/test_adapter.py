@@ -83,6 +83,8 @@ def test_a_killed_worker_task_is_delivered_again_after_its_lease(celery_setup):
 """
 
 CLUSTERS = """
+import os
+
 import pytest
 from pytest_celery import (
     RESULT_TIMEOUT,
@@ -101,10 +103,12 @@ def celery_broker_cluster(celery_pgqueue_broker, second_broker):
 def second_broker(pgqueue_dsn):
     from celery_pgqueue.pytest_celery import PgqueueServer, PgqueueTestBroker
     from kombu_pgqueue.embedded import broker_url
-    from psycopg.conninfo import make_conninfo
+    from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-    # the same server by another address string, as a failover list holds two
-    dsn = make_conninfo(pgqueue_dsn, application_name="second")
+    # the same server by another address string, as a failover list holds two; its port
+    # written out as the first URL's is (pgqueue refuses a list that mixes them)
+    port = conninfo_to_dict(pgqueue_dsn).get("port") or os.environ.get("PGPORT") or "5432"
+    dsn = make_conninfo(pgqueue_dsn, application_name="second", port=str(port))
     return PgqueueTestBroker(PgqueueServer(dsn, broker_url(dsn), "broker"))
 
 
