@@ -202,6 +202,8 @@ class SchemaFirst:
 #: the Celery setting: seconds between two sweeps of a worker
 SWEEP_INTERVAL = "pgqueue_sweep_interval"
 DEFAULT_SWEEP_INTERVAL = 3600.0
+#: seconds until a sweep that failed is tried again
+SWEEP_RETRY = 30.0
 
 
 def sweep(app: Any, *, now: datetime | None = None) -> int:
@@ -302,16 +304,20 @@ class Sweep(bootsteps.StartStopStep):  # type: ignore[misc]  # Celery is untyped
         self.stop(parent)
 
     def _run(self, app: Any, interval: float) -> None:
+        wait = interval
         while not self.stopping.is_set():
             try:
                 swept = sweep(app)
             except Exception as exc:
-                # not reachable now, or a setting refused: the next sweep tries again
-                logger.warning("pgqueue: sweep failed, tried again in %gs: %r", interval, exc)
+                # the database not reachable yet (a worker started before it), or a
+                # setting refused: tried again soon, not a whole interval later
+                wait = min(interval, SWEEP_RETRY)
+                logger.warning("pgqueue: sweep failed, will try again in %gs: %r", wait, exc)
             else:
+                wait = interval
                 if swept:
                     logger.info("pgqueue: sweep deleted %d rows kept too long", swept)
-            self.stopping.wait(interval)
+            self.stopping.wait(wait)
 
 
 def _no_handoffs_to_a_blocking_loop(app: Any, pool: Any) -> None:

@@ -228,6 +228,11 @@ def check_schema(schema: Any) -> str:
     if "%" in name:
         # psycopg would read it as a query parameter in every statement on the schema
         raise ConfigurationError(f"schema name {name!r} may not contain '%': choose another")
+    if name.startswith("pg_"):  # as PostgreSQL checks: case-sensitive
+        raise ConfigurationError(
+            f"schema name {name!r}: PostgreSQL reserves names that begin with 'pg_' for "
+            "its own schemas; choose another"
+        )
     return name
 
 

@@ -394,3 +394,13 @@ def test_options_of_kombu_and_other_brokers_are_ignored_without_a_guess(
         parse_options({"fanout_prefix": True, "sep": ":"})
 
     assert [r.getMessage() for r in caplog.records if "did you mean" in r.getMessage()] == []
+
+
+def test_check_schema_refuses_a_name_postgresql_reserves_in_one_line() -> None:
+    """``pg_jobs`` reached the server and came back as a 49-line traceback ending in
+    ReservedName (a newcomer's trial)."""
+    with pytest.raises(ConfigurationError, match="reserves names that begin with 'pg_'"):
+        check_schema("pg_jobs")
+    # PostgreSQL's check is case-sensitive, on a quoted name
+    assert check_schema("PG_jobs") == "PG_jobs"
+    assert check_schema("jobs_pg_") == "jobs_pg_"

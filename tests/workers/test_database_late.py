@@ -50,6 +50,10 @@ def test_a_worker_started_before_its_database_waits_and_runs_tasks(
             options=("-P", "prefork", "-c", "1", "-Q", "celery"),
         )
         wait_for(lambda: worker.says("Trying again in"), 60, "the worker to wait", worker)
+        # its sweep of old results and failed tasks failed too: tried again soon, not an
+        # hour (pgqueue_sweep_interval) after the database is back (a newcomer's trial)
+        wait_for(lambda: worker.says("sweep failed"), 60, "the sweep to fail", worker)
+        assert "sweep failed, will try again in 30s" in worker.log()
 
         stopped.start()
         wait_for(lambda: worker.says(" ready."), 120, "the worker to start", worker)
