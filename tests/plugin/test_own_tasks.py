@@ -16,11 +16,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from inner_pytest import INNER_TIMEOUT, TESTING_DOCS, recipe_files, run
 
 pytest_plugins = ("pytester",)
 
-DOCS = Path(__file__).resolve().parents[2] / "docs" / "testing.md"
-INNER_TIMEOUT = 240
 
 PROJ_CELERY = """
 from celery import Celery
@@ -66,10 +65,6 @@ def test_add(worker, pgqueue_schema, n):
 """
 
 
-def run(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
-    return pytester.runpytest_subprocess("-p", "no:cacheprovider", *args, timeout=INNER_TIMEOUT)
-
-
 def test_configure_per_test_on_a_module_level_app(
     pytester: pytest.Pytester, pgqueue_dsn: str
 ) -> None:
@@ -81,22 +76,10 @@ def test_configure_per_test_on_a_module_level_app(
     result.assert_outcomes(passed=3)
 
 
-def recipe_files(markdown: str, heading: str) -> dict[str, str]:
-    """The code blocks under ``heading`` whose first line is ``# <path>``: {path: text}."""
-    section = markdown.split(f"\n## {heading}\n", 1)[1].split("\n## ", 1)[0]
-    files: dict[str, str] = {}
-    for block in re.findall(r"```python\n(.*?)```", section, flags=re.S):
-        first, _, _ = block.partition("\n")
-        found = re.fullmatch(r"# (\S+\.py)\b.*", first)
-        if found:
-            files[found.group(1)] = block
-    return files
-
-
 def test_the_testing_docs_recipe_for_a_projects_own_tasks_runs_verbatim(
     pytester: pytest.Pytester, pgqueue_dsn: str
 ) -> None:
-    files = recipe_files(DOCS.read_text(), "Testing your project's own tasks")
+    files = recipe_files(TESTING_DOCS.read_text(), "Testing your project's own tasks")
     assert {"proj/__init__.py", "proj/celery.py", "proj/tasks.py", "conftest.py"} <= set(files)
     for name, text in files.items():
         path = pytester.path / name

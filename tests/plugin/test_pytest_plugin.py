@@ -14,18 +14,14 @@ from pathlib import Path
 
 import psycopg
 import pytest
+from inner_pytest import run
 from psycopg.conninfo import conninfo_to_dict
 
 pytest_plugins = ("pytester",)
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "test_user_suite.py"
-INNER_TIMEOUT = 240
 # nothing listens on port 1: a fixture that connects there errors at once
 UNREACHABLE = "host=127.0.0.1 port=1 dbname=nowhere connect_timeout=2"
-
-
-def run(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
-    return pytester.runpytest_subprocess("-p", "no:cacheprovider", *args, timeout=INNER_TIMEOUT)
 
 
 def schemas_named(dsn: str, names: list[str]) -> list[str]:

@@ -10,18 +10,15 @@ test that reached one would error with ``DockerException``.
 from __future__ import annotations
 
 import os
-import re
-from pathlib import Path
 
 import pytest
+from inner_pytest import TESTING_DOCS, recipe_files, run
 
 if not os.environ.get("CI"):
     pytest.importorskip("pytest_celery", reason="pip install '.[pytest-celery]'")
 
 pytest_plugins = ("pytester",)
 
-DOCS = Path(__file__).resolve().parents[2] / "docs" / "testing.md"
-INNER_TIMEOUT = 300
 
 CONFTEST = """
 import pytest
@@ -129,10 +126,6 @@ def test_two_brokers_are_the_failover_list_and_two_workers_share_the_queue(celer
 """
 
 
-def run(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
-    return pytester.runpytest_subprocess("-p", "no:cacheprovider", *args, timeout=INNER_TIMEOUT)
-
-
 def test_a_users_pytest_celery_tests_run_on_pgqueue(
     pytester: pytest.Pytester, pgqueue_dsn: str
 ) -> None:
@@ -199,21 +192,10 @@ def celery_backend_cluster():
     assert "DockerException" not in result.stdout.str()
 
 
-def recipe_files(markdown: str, heading: str) -> dict[str, str]:
-    """The code blocks under ``heading`` whose first line is ``# <path>``: {path: text}."""
-    section = markdown.split(f"\n## {heading}\n", 1)[1].split("\n## ", 1)[0]
-    files: dict[str, str] = {}
-    for block in re.findall(r"```python\n(.*?)```", section, flags=re.S):
-        found = re.fullmatch(r"# (\S+\.py)\b.*", block.partition("\n")[0])
-        if found:
-            files[found.group(1)] = block
-    return files
-
-
 def test_the_testing_docs_pytest_celery_recipe_runs_verbatim(
     pytester: pytest.Pytester, pgqueue_dsn: str
 ) -> None:
-    files = recipe_files(DOCS.read_text(), "With pytest-celery")
+    files = recipe_files(TESTING_DOCS.read_text(), "With pytest-celery")
     assert {"conftest.py", "test_tasks.py"} <= set(files)
     for name, text in files.items():
         path = pytester.path / name
