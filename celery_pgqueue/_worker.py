@@ -97,12 +97,20 @@ def transport_hint(app: Any) -> str | None:
     else:
         return None
     scheme, _, rest = url.partition("://")
+    hint = missing_transport(scheme, maybe_sanitize_url(f"pgqueue://{rest}"))
+    return None if hint is None else f"broker_url {maybe_sanitize_url(url)!r}: {hint}"
+
+
+def missing_transport(scheme: str, written: str) -> str | None:
+    """What to do about a broker URL of ``scheme`` that Kombu has no transport for, when
+    pgqueue can tell (a PostgreSQL URL: ``written`` is what to write instead; or
+    ``pgqueue://`` not registered); None otherwise. The CLI, a worker and the pytest
+    plugin say it."""
     kind = scheme.split("+")[0].lower()
     if kind in ("postgresql", "postgres"):
-        written = maybe_sanitize_url(f"pgqueue://{rest}")
         return (
-            f"broker_url {maybe_sanitize_url(url)!r}: Kombu has no {scheme}:// transport; "
-            f"write {written} (or call celery_pgqueue.configure(app, dsn), which makes it)"
+            f"Kombu has no {scheme}:// transport; write {written} (or call "
+            "celery_pgqueue.configure(app, dsn), which makes it)"
         )
     if kind == "pgqueue":
         return (

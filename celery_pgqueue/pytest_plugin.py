@@ -239,22 +239,15 @@ _NO_TRANSPORT = "No such transport: "
 def transport_hint(error: BaseException) -> str | None:
     """One line for a test that failed because Kombu knows no transport for the URL's
     scheme, saying what to write; None for any other error."""
+    from ._worker import missing_transport
+
     text = str(error.args[0]) if isinstance(error, KeyError) and error.args else ""
     if not text.startswith(_NO_TRANSPORT):
         return None
-    scheme = text[len(_NO_TRANSPORT) :].split()[0].rstrip(".").lower()
-    if scheme.split("+")[0] in ("postgresql", "postgres"):
-        return (
-            f"pgqueue: Kombu has no {scheme}:// transport: write the broker URL as "
-            "pgqueue://... (the pgqueue_broker_url fixture gives it) or call "
-            "celery_pgqueue.configure(app, dsn)"
-        )
-    if scheme == "pgqueue":
-        return (
-            "pgqueue: the pgqueue:// transport is not registered in this process: import "
-            "celery_pgqueue (or kombu_pgqueue) where the app is made"
-        )
-    return None
+    scheme = text[len(_NO_TRANSPORT) :].split()[0].rstrip(".")
+    written = "the broker URL as pgqueue://... (the pgqueue_broker_url fixture gives it)"
+    hint = missing_transport(scheme, written)
+    return None if hint is None else f"pgqueue: {hint}"
 
 
 @pytest.hookimpl(wrapper=True)

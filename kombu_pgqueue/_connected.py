@@ -17,7 +17,6 @@ from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import ConnectionPool, PoolTimeout
 
 from . import _errors, _pool, _sql, transactions
-from ._deadline import WATCHDOG
 from ._options import Options
 from .exceptions import ServerUnavailable
 
@@ -136,13 +135,8 @@ class Connected:
         if not seconds:
             yield
             return
-        with WATCHDOG.armed(conn, seconds) as watch:
-            try:
-                yield
-            except CONNECTION_ERRORS as exc:
-                if not watch.fired:
-                    raise
-                raise _errors.not_answering(conn.pgconn, timeout, option) from exc
+        with _errors.answering(conn, seconds, option, said=timeout):
+            yield
 
     def translated(self, name: str) -> AbstractContextManager[None]:
         """Statement ``name``'s errors as pgqueue's (see :mod:`._errors`)."""
@@ -171,8 +165,9 @@ class Connected:
         if name in _RELAXED:
             # the statement itself turns synchronous_commit off for its own commit
             params["synchronous_commit"] = "off" if self.options.relax_consumer_commits else None
-        body = params.get("body")
-        size = len(body) if isinstance(body, (bytes, bytearray, memoryview)) else 0
+        size = 0
+        if name in _PUBLISH_ATTEMPT and isinstance(body := params.get("body"), bytes):
+            size = len(body)  # its deadline grows with it (see _deadline)
         with self._connection(name, size) as conn:
             cur = conn.execute(self._q[name], params, prepare=prepare)
             # the result's status, not cur.description (which builds a Column per column)

@@ -21,6 +21,7 @@ import psycopg
 from psycopg import errors, pq
 
 from . import _sql
+from ._deadline import WATCHDOG
 from ._options import DEFAULT_SCHEMA
 from .exceptions import (
     MessageError,
@@ -122,6 +123,22 @@ def not_answering(pgconn: pq.abc.PGconn | None, seconds: float, option: str) -> 
         "server before that (Kombu's retry of a Celery task publish is not queued twice: "
         "see dedup_task_ids)"
     )
+
+
+@contextmanager
+def answering(
+    conn: psycopg.Connection, seconds: float, option: str, said: float | None = None
+) -> Iterator[None]:
+    """``conn``'s statements, cut off by the watchdog after ``seconds`` (its connection
+    closed): then :func:`not_answering`, naming transport option ``option`` and its
+    value ``said`` (default ``seconds``)."""
+    with WATCHDOG.armed(conn, seconds) as watch:
+        try:
+            yield
+        except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
+            if not watch.fired:
+                raise
+            raise not_answering(conn.pgconn, seconds if said is None else said, option) from exc
 
 
 def read_only(pgconn: pq.abc.PGconn | None, detail: str | None = None) -> ServerUnavailable:

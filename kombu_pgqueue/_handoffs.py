@@ -41,37 +41,38 @@ _NONCE = 12
 _TAG = 16
 
 
-def _fields(message: Outgoing) -> list[bytes]:
+def _clear(message: Outgoing) -> list[bytes]:
+    """``message`` as a handoff seals it, but the body: ``<priority>:<lengths of content
+    type, content encoding ('-': None), headers, properties>:``, then those four."""
     texts = (message.content_type, message.content_encoding, message.headers, message.properties)
-    return [b"" if text is None else text.encode("utf-8") for text in texts]
+    fields = [b"" if text is None else text.encode("utf-8") for text in texts]
+    lengths = ["-" if text is None else str(len(field)) for text, field in zip(texts, fields)]
+    head = f"{int(message.priority)}:{':'.join(lengths)}:".encode("ascii")
+    return [head, *fields]
 
 
-def sealed_size(message: Outgoing) -> int:
-    """How many characters :func:`seal` makes of ``message`` (base64 of the nonce, the
-    encrypted fields and body, and the tag)."""
-    head = 5 * 20  # the priority and four lengths, at most
-    size = _NONCE + head + sum(map(len, _fields(message))) + len(message.body) + _TAG
-    return 4 * -(-size // 3)
+def _fits(clear: list[bytes], body: bytes) -> bool:
+    """Whether a handoff of these parts, sealed (base64 of the nonce, the encrypted
+    parts and the tag), fits a NOTIFY payload."""
+    size = _NONCE + sum(map(len, clear)) + len(body) + _TAG
+    return HANDOFF_OVERHEAD + 4 * -(-size // 3) < NOTIFY_PAYLOAD_LIMIT
 
 
 def handoff_fits(message: Outgoing) -> bool:
     """Whether ``message``, sealed, fits a NOTIFY payload."""
-    return HANDOFF_OVERHEAD + sealed_size(message) < NOTIFY_PAYLOAD_LIMIT
+    return _fits(_clear(message), message.body)
 
 
-def seal(box: AESGCM, message: Outgoing, lease: int) -> str:
-    """``message`` as a handoff carries it: ``<priority>:<lengths of content type,
-    content encoding ('-': None), headers, properties>:<those four><body>``, encrypted
-    under the schema's key with a random nonce, bound to ``lease`` (associated data),
-    in base64."""
-    fields = _fields(message)
-    lengths = [
-        "-" if text is None else str(len(field))
-        for text, field in zip((message.content_type, message.content_encoding), fields)
-    ] + [str(len(fields[2])), str(len(fields[3]))]
-    head = f"{int(message.priority)}:{':'.join(lengths)}:".encode("ascii")
+def seal(box: AESGCM, message: Outgoing, lease: int) -> str | None:
+    """``message`` as a handoff carries it (its parts, see :func:`_clear`, and its body),
+    encrypted under the schema's key with a random nonce, bound to ``lease`` (associated
+    data), in base64; None when that would not fit a NOTIFY payload (checked before
+    anything is encrypted or copied)."""
+    clear = _clear(message)
+    if not _fits(clear, message.body):
+        return None
     nonce = os.urandom(_NONCE)
-    plain = b"".join([head, *fields, message.body])
+    plain = b"".join([*clear, message.body])
     return base64.b64encode(nonce + box.encrypt(nonce, plain, str(lease).encode())).decode()
 
 

@@ -15,6 +15,7 @@ import math
 import os
 import threading
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
 
 import psycopg
@@ -23,7 +24,6 @@ from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import ConnectionPool
 
 from . import _errors, _sql, migrations
-from ._deadline import WATCHDOG
 from ._options import Options
 
 _lock = threading.Lock()
@@ -157,16 +157,8 @@ def _check_writable(conn: psycopg.Connection, options: Options) -> None:
     """Raise unless the server of ``conn`` takes writes; one that does not answer within
     ``publish_timeout`` is unavailable too (the connection was closed)."""
     bound = options.publish_timeout
-    if not bound:
+    with _errors.answering(conn, bound, "publish_timeout") if bound else nullcontext():
         row = conn.execute(_sql.queries(options.schema)["writable"]).fetchone()
-    else:
-        with WATCHDOG.armed(conn, bound) as watch:
-            try:
-                row = conn.execute(_sql.queries(options.schema)["writable"]).fetchone()
-            except psycopg.OperationalError as exc:
-                if not watch.fired:
-                    raise
-                raise _errors.not_answering(conn.pgconn, bound, "publish_timeout") from exc
     if row is None or not row[0]:
         raise _errors.read_only(conn.pgconn)
 

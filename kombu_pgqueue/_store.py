@@ -19,7 +19,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from . import _pool, _sql, transactions
 from ._connected import Connected
 from ._copy import load_staged
-from ._handoffs import handoff_fits, seal
+from ._handoffs import seal
 from .exceptions import PrivilegeError
 from .records import (
     STAGING_COLUMNS,
@@ -86,10 +86,10 @@ class Store(Connected):
         sql/queries.sql). Not in an application's transaction, which notifies at its
         commit and hands nothing off."""
         lease = new_lease()
-        box = None
-        if self.options.handoff and handoff_fits(message) and transactions.current() is None:
+        sealed = None
+        if self.options.handoff and transactions.current() is None:
             box = self.sealer()
-        sealed = None if box is None else seal(box, message, lease)
+            sealed = None if box is None else seal(box, message, lease)
         return {"handoff": sealed is not None, "sealed": sealed, "lease": lease}
 
     def sealer(self) -> AESGCM | None:

@@ -32,3 +32,12 @@ def recipe_files(markdown: str, heading: str) -> dict[str, str]:
         if found:
             files[found.group(1)] = block
     return files
+
+
+def lay_out(pytester: pytest.Pytester, files: dict[str, str]) -> None:
+    """Write ``files`` ({relative path: text}, as :func:`recipe_files` gives them) into
+    the inner run's directory, making folders as needed."""
+    for name, text in files.items():
+        path = pytester.path / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)

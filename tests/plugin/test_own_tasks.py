@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from inner_pytest import INNER_TIMEOUT, TESTING_DOCS, recipe_files, run
+from inner_pytest import INNER_TIMEOUT, TESTING_DOCS, lay_out, recipe_files, run
 
 pytest_plugins = ("pytester",)
 
@@ -81,10 +81,7 @@ def test_the_testing_docs_recipe_for_a_projects_own_tasks_runs_verbatim(
 ) -> None:
     files = recipe_files(TESTING_DOCS.read_text(), "Testing your project's own tasks")
     assert {"proj/__init__.py", "proj/celery.py", "proj/tasks.py", "conftest.py"} <= set(files)
-    for name, text in files.items():
-        path = pytester.path / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
+    lay_out(pytester, files)
     result = run(pytester, "--pgqueue-dsn", pgqueue_dsn)
     outcomes = result.parseoutcomes()
     assert outcomes.get("passed", 0) >= 2 and set(outcomes) <= {"passed"}, result.stdout.str()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from inner_pytest import TESTING_DOCS, recipe_files, run
+from inner_pytest import TESTING_DOCS, lay_out, recipe_files, run
 
 if not os.environ.get("CI"):
     pytest.importorskip("pytest_celery", reason="pip install '.[pytest-celery]'")
@@ -197,10 +197,7 @@ def test_the_testing_docs_pytest_celery_recipe_runs_verbatim(
 ) -> None:
     files = recipe_files(TESTING_DOCS.read_text(), "With pytest-celery")
     assert {"conftest.py", "test_tasks.py"} <= set(files)
-    for name, text in files.items():
-        path = pytester.path / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
+    lay_out(pytester, files)
     result = run(pytester, "--pgqueue-dsn", pgqueue_dsn)
     outcomes = result.parseoutcomes()
     assert outcomes.get("passed", 0) >= 2 and set(outcomes) <= {"passed"}, result.stdout.str()
