@@ -1,8 +1,9 @@
 """The COPY loader: many staged rows into the queue in one transaction.
 
 Bulk sends and Spark partitions write thousands of task messages at a time; a
-``COPY`` into the queue table (or into a staging table, then ``INSERT ... ON
-CONFLICT`` for dedup keys, ETAs and TTL queues) carries them. Used by the store's
+``COPY`` into the queue table (or into a staging table, then an ``INSERT`` that
+computes ETAs and TTLs) carries them. A dedup key another message holds is skipped
+by the message table's trigger (migration 0011), whichever way the row goes in. Used by the store's
 ``publish_rows`` and by :func:`kombu_pgqueue.admin.load_staged` on a connection of
 the caller's own.
 """
@@ -13,7 +14,6 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import psycopg
-from psycopg import errors
 
 from . import _errors, _sql
 from .records import STAGING_COLUMNS
@@ -35,9 +35,8 @@ def load_staged(
     skipped. Consumers get one NOTIFY per queue at commit (with ``gate``, only
     queues that a consumer waits for: for a transaction as short as the broker's own,
     see the top of sql/queries.sql). Messages without an ETA,
-    for queues without a TTL, are first tried by COPY straight into the queue table
-    (the fast path: no staging table, no INSERT ... ON CONFLICT); if a dedup key is
-    taken, that COPY is undone and its rows take the staging path with the rest.
+    for queues without a TTL, go by COPY straight into the queue table (the fast path:
+    no staging table); the rest through a staging table.
     ``ordered=False`` lets ids follow any order within the staging path (cheaper for
     large loads); ``binary`` needs values of exactly the staging types (aware
     datetimes, ints within int2). For connections the caller opened itself, such as a
@@ -57,14 +56,11 @@ def load_staged(
             (direct if row[2] is None and row[0] not in ttl else staged).append(row)
         inserted = 0
         if direct:
-            if _copy_direct(conn, statements, direct, binary):
-                inserted = len(direct)
-                ready = sorted({row[0] for row in direct})
-                conn.execute(
-                    statements["notify_ready"], {"channel": channel, "queues": ready, "gate": gate}
-                )
-            else:
-                staged = rows  # all of them, in their order
+            inserted = _copy_direct(conn, statements, direct, binary)
+            ready = sorted({row[0] for row in direct})
+            conn.execute(
+                statements["notify_ready"], {"channel": channel, "queues": ready, "gate": gate}
+            )
         if staged:
             inserted += _copy_staged(conn, schema, staged, channel, ordered, binary, gate)
     return inserted
@@ -75,14 +71,17 @@ def _copy(
     statement: Any,
     rows: Iterable[Sequence[Any]],
     types: list[str] | None,
-) -> None:
-    """Stream ``rows`` into one COPY; ``types`` for binary format, None for text."""
-    with conn.cursor().copy(statement) as copy:
+) -> int:
+    """Stream ``rows`` into one COPY; ``types`` for binary format, None for text.
+    Returns the rows the server stored."""
+    cursor = conn.cursor()
+    with cursor.copy(statement) as copy:
         if types is not None:
             copy.set_types(types)
         write = copy.write_row
         for row in rows:
             write(row)
+    return cursor.rowcount
 
 
 def _copy_direct(
@@ -90,16 +89,12 @@ def _copy_direct(
     statements: dict[str, Any],
     rows: list[Sequence[Any]],
     binary: bool,
-) -> bool:
-    """COPY rows straight into the queue table; False (and nothing written) on a taken key."""
+) -> int:
+    """COPY rows straight into the queue table; returns how many went in (a row whose
+    dedup key is taken does not)."""
     types = [kind for name, kind in STAGING_COLUMNS if name != "eta"] if binary else None
-    try:
-        with conn.transaction():  # a savepoint: a taken key undoes only this COPY
-            name = "copy_direct_binary" if binary else "copy_direct"
-            _copy(conn, statements[name], (tuple(row[:2]) + tuple(row[3:]) for row in rows), types)
-    except errors.UniqueViolation:
-        return False
-    return True
+    name = "copy_direct_binary" if binary else "copy_direct"
+    return _copy(conn, statements[name], (tuple(row[:2]) + tuple(row[3:]) for row in rows), types)
 
 
 def _copy_staged(

@@ -45,13 +45,20 @@ def current_version(conn: psycopg.Connection, schema: str = DEFAULT_SCHEMA) -> i
     return int(found[0]) if found else 0
 
 
-def migrate(conninfo: str | psycopg.Connection, schema: str = DEFAULT_SCHEMA) -> list[int]:
-    """Bring ``schema`` up to the latest version; return the versions applied."""
+def migrate(
+    conninfo: str | psycopg.Connection, schema: str = DEFAULT_SCHEMA, *, to: int | None = None
+) -> list[int]:
+    """Bring ``schema`` up to the latest version, or to version ``to`` (an upgrade that
+    expands first and contracts later, one step at a time); return the versions
+    applied."""
     schema = check_schema(schema)
+    target = latest_version() if to is None else to
+    if not 1 <= target <= latest_version():
+        raise ValueError(f"to={to}: this code knows versions 1 to {latest_version()}")
     if isinstance(conninfo, psycopg.Connection):
-        return _migrate(conninfo, schema)
+        return _migrate(conninfo, schema, target)
     with psycopg.connect(conninfo) as conn:
-        return _migrate(conn, schema)
+        return _migrate(conn, schema, target)
 
 
 def _schema_exists(conn: psycopg.Connection, schema: str) -> bool:
@@ -62,7 +69,7 @@ def _schema_exists(conn: psycopg.Connection, schema: str) -> bool:
     return bool(row and row[0])
 
 
-def _migrate(conn: psycopg.Connection, schema: str) -> list[int]:
+def _migrate(conn: psycopg.Connection, schema: str, target: int) -> list[int]:
     applied: list[int] = []
     ident = sql.Identifier(schema)
     with creating_schema(conn, schema), conn.transaction():
@@ -83,7 +90,7 @@ def _migrate(conn: psycopg.Connection, schema: str) -> list[int]:
                 ).format(ident)
             )
         for version, slug, text in _sql.migration_files():
-            if version <= done:
+            if version <= done or version > target:
                 continue
             with installing(conn, schema, f"{version:04d}_{slug}"):
                 conn.execute(_sql.compose(text, schema))

@@ -10,8 +10,8 @@
 
 Each row becomes the message ``apply_async`` would publish (Celery protocol 2, JSON), so
 unmodified workers run it. Each Spark partition writes its rows in one transaction through
-psycopg, no JDBC: COPY into a staging table, then ``INSERT ... ON CONFLICT (queue, dedup_key)
-DO NOTHING`` (the broker's ``copy_staging`` and ``publish_staged`` statements), which wakes
+psycopg, no JDBC: COPY into a staging table, then an ``INSERT`` that skips a dedup key
+another message holds (the broker's ``copy_staging`` and ``publish_staged`` statements), which wakes
 consumers with one NOTIFY per queue at commit. Rows reach Python as Arrow batches when
 pyarrow and pandas are installed (``pyspark[sql]``; also what Spark Connect needs), else as
 pickled rows. From Arrow batches whose columns are strings and integers, for messages

@@ -87,57 +87,83 @@ target AS MATERIALIZED (
     FROM wanted
     LEFT JOIN picked ON true
 ),
+fresh AS MATERIALIZED (
+    -- the message as it is to be stored, inserted or (%(replace)s) written over the
+    -- waiting one with its key
+    SELECT
+        coalesce(%(eta)s::timestamptz > now(), false) AS delayed,
+        CASE WHEN target.consumer <> ''
+            THEN now() + make_interval(secs => target.lease_seconds)
+            ELSE coalesce(%(eta)s::timestamptz, now())
+        END AS next_iteration,
+        least(
+            %(expires_at)s::timestamptz,
+            now() + (SELECT q.message_ttl FROM {schema}.queue AS q WHERE q.name = %(queue)s)
+        ) AS expires_at,
+        -- a new message: a stale holder's ack must not delete what replaces it
+        -- (handed off: the waiting consumer's lease)
+        CASE WHEN target.consumer <> '' THEN %(lease)s::bigint END AS lease,
+        CASE WHEN target.consumer <> '' THEN 1 ELSE 0 END AS attempts
+    FROM target
+),
+replaced AS (
+    -- the waiting message with this key, never one that a consumer holds
+    UPDATE {schema}.message AS m
+    SET priority = %(priority)s,
+        delayed = fresh.delayed,
+        next_iteration = fresh.next_iteration,
+        expires_at = fresh.expires_at,
+        body = %(body)s,
+        content_type = %(content_type)s,
+        content_encoding = %(content_encoding)s,
+        headers = %(headers)s::json,
+        properties = %(properties)s::json,
+        lease = fresh.lease,
+        attempts = fresh.attempts
+    FROM fresh
+    WHERE %(replace)s::boolean
+      AND m.queue = %(queue)s
+      AND m.dedup_key = %(dedup_key)s
+      AND (m.lease IS NULL OR m.next_iteration <= now())
+    RETURNING m.id, m.delayed, m.next_iteration, m.lease
+),
 inserted AS (
-    INSERT INTO {schema}.message AS m (
+    -- a key that another waiting or running message holds: the trigger dedup_claim
+    -- (migration 0011) skips the row, and no row comes back
+    INSERT INTO {schema}.message (
         queue, priority, delayed, next_iteration, expires_at, dedup_key,
         body, content_type, content_encoding, headers, properties, lease, attempts
     )
     SELECT
         %(queue)s,
         %(priority)s,
-        coalesce(%(eta)s::timestamptz > now(), false),
-        CASE WHEN target.consumer <> ''
-            THEN now() + make_interval(secs => target.lease_seconds)
-            ELSE coalesce(%(eta)s::timestamptz, now())
-        END,
-        least(
-            %(expires_at)s::timestamptz,
-            now() + (SELECT q.message_ttl FROM {schema}.queue AS q WHERE q.name = %(queue)s)
-        ),
+        fresh.delayed,
+        fresh.next_iteration,
+        fresh.expires_at,
         %(dedup_key)s,
         %(body)s,
         %(content_type)s,
         %(content_encoding)s,
         %(headers)s::json,
         %(properties)s::json,
-        CASE WHEN target.consumer <> '' THEN %(lease)s::bigint END,
-        CASE WHEN target.consumer <> '' THEN 1 ELSE 0 END
-    FROM target
-    ON CONFLICT (queue, dedup_key) WHERE dedup_key IS NOT NULL DO UPDATE
-    SET priority = excluded.priority,
-        delayed = excluded.delayed,
-        next_iteration = excluded.next_iteration,
-        expires_at = excluded.expires_at,
-        body = excluded.body,
-        content_type = excluded.content_type,
-        content_encoding = excluded.content_encoding,
-        headers = excluded.headers,
-        properties = excluded.properties,
-        -- a new message: a stale holder's ack must not delete it (handed off: the
-        -- waiting consumer's lease)
-        lease = excluded.lease,
-        attempts = excluded.attempts
-    WHERE %(replace)s::boolean
-      AND (m.lease IS NULL OR m.next_iteration <= now())
+        fresh.lease,
+        fresh.attempts
+    FROM fresh
+    WHERE NOT EXISTS (SELECT 1 FROM replaced)
     RETURNING id, delayed, next_iteration, lease
+),
+written AS (
+    SELECT id, delayed, next_iteration, lease FROM inserted
+    UNION ALL
+    SELECT id, delayed, next_iteration, lease FROM replaced
 )
 SELECT
-    inserted.id,
+    written.id,
     CASE
-        WHEN inserted.delayed THEN pg_notify(
-            %(channel)s, 'd:' || extract(EPOCH FROM inserted.next_iteration)::text
+        WHEN written.delayed THEN pg_notify(
+            %(channel)s, 'd:' || extract(EPOCH FROM written.next_iteration)::text
         )
-        WHEN inserted.lease IS NOT NULL THEN pg_notify(
+        WHEN written.lease IS NOT NULL THEN pg_notify(
             %(channel)s,
             -- h:<consumer>:<signature>:<message>, the signature the first 32 hex digits
             -- of sha256(secret || message || secret)
@@ -151,16 +177,16 @@ SELECT
             %(channel)s, 'r:' || coalesce((SELECT t.token FROM {schema}.queue AS t WHERE t.name = %(queue)s), '')
         )
     END
-FROM inserted
+FROM written
 CROSS JOIN target
 CROSS JOIN LATERAL (
     -- <token>:<id>:<lease>:<lease end, epoch>:<the message, sealed by the client>; the
     -- client checked that the payload stays under NOTIFY's 8000 bytes
-    SELECT CASE WHEN %(handoff)s::boolean AND inserted.lease IS NOT NULL THEN
+    SELECT CASE WHEN %(handoff)s::boolean AND written.lease IS NOT NULL THEN
         coalesce((SELECT t.token FROM {schema}.queue AS t WHERE t.name = %(queue)s), '')
-            || ':' || inserted.id
-            || ':' || inserted.lease
-            || ':' || extract(EPOCH FROM inserted.next_iteration)
+            || ':' || written.id
+            || ':' || written.lease
+            || ':' || extract(EPOCH FROM written.next_iteration)
             || ':' || %(sealed)s::text
     END AS message
 ) AS handoff;
@@ -202,7 +228,7 @@ WITH inserted AS (
     LEFT JOIN {schema}.queue AS q ON q.name = m.queue
     -- ids follow the caller's order, and so does delivery
     ORDER BY m.ord
-    ON CONFLICT (queue, dedup_key) WHERE dedup_key IS NOT NULL DO NOTHING
+    -- a key another message holds: skipped by the trigger dedup_claim (migration 0011)
     RETURNING queue, delayed, next_iteration
 ),
 wake AS (
@@ -308,7 +334,7 @@ inserted AS (
         CASE WHEN waiting.consumer <> '' THEN 1 ELSE 0 END
     FROM waiting
     LEFT JOIN {schema}.queue AS q ON q.name = waiting.queue
-    ON CONFLICT (queue, dedup_key) WHERE dedup_key IS NOT NULL DO NOTHING
+    -- a key another message holds: skipped by the trigger dedup_claim (migration 0011)
     RETURNING id, queue, delayed, next_iteration, lease
 )
 SELECT
@@ -925,7 +951,7 @@ WITH inserted AS (
     -- need it (Spark partitions) passes ordered = false, and the planner drops the
     -- sort of the whole batch (a third of the INSERT's time at 125,000 rows)
     ORDER BY CASE WHEN %(ordered)s::boolean THEN m.ord END
-    ON CONFLICT (queue, dedup_key) WHERE dedup_key IS NOT NULL DO NOTHING
+    -- a key another message holds: skipped by the trigger dedup_claim (migration 0011)
     RETURNING queue, delayed, next_iteration
 ),
 wake AS (

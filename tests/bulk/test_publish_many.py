@@ -40,8 +40,9 @@ def _row(queue: str, key: str | None, eta=None, body: bytes = b"{}") -> tuple:
     return (queue, 0, eta, None, key, body, "application/json", "utf-8", "{}", "{}")
 
 
-def test_a_taken_key_sends_the_whole_batch_the_staging_way(store, db):
-    """The direct COPY fails on a taken key; its rows then go in with the key skipped."""
+def test_a_taken_key_is_skipped_by_the_direct_copy(store, db):
+    """A COPY straight into the queue skips a row whose key a waiting message holds,
+    and counts only the rows that went in."""
     assert store.publish_rows([_row("mix", "k1"), _row("mix", "k3")]) == 2
     batch = [_row("mix", f"k{i}", body=f'{{"i": {i}}}'.encode()) for i in range(6)]
     assert store.publish_rows(batch) == 4  # k1 and k3 were waiting
