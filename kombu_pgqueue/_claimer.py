@@ -33,7 +33,7 @@ from psycopg import pq
 
 from . import _libpq, _pool
 from ._store import Store
-from .records import ClaimRequest, ClaimResult, Delivered
+from .records import Buried, ClaimRequest, ClaimResult, Delivered
 
 BINARY = _libpq.BINARY
 _FLOAT8 = struct.Struct(">d")
@@ -46,7 +46,10 @@ CLOSE_WAIT_SECONDS = 2.0
 
 
 #: result columns of the claim statements, and the type OID each must have
-_CLAIM_COLUMN_TYPES = (20, 21, 23, 17, 25, 25, 25, 25, 701)  # int8 int2 int4 bytea text*4 float8
+_CLAIM_COLUMN_TYPES = (20, 21, 23, 17, 25, 25, 25, 25, 701, 16)  # int8 int2 int4 bytea
+# text*4 float8 bool
+#: the column that marks a message the claim moved to the dead letters (no body)
+_DEAD = 9
 
 #: the statements a claimer sends (see Store.claim_params)
 CLAIM_STATEMENTS = ("claim", "claim_after")
@@ -85,6 +88,8 @@ class Claimer:
         #: the claim in flight
         self._current: ClaimRequest | None = None
         self._rows: list[Delivered] = []
+        #: what the claim in flight moved to the dead letters
+        self._buried: tuple[Buried, ...] = ()
         self._error: BaseException | None = None
         #: seconds the claim in flight took in the server
         self._took = 0.0
@@ -128,6 +133,7 @@ class Claimer:
                 # the connection broke (an error the server sent first says why)
                 request, error = self._current, self._error or exc
                 self._current, self._rows, self._error, self._took = None, [], None, 0.0
+                self._buried = ()
                 self._results.append(ClaimResult(request, [], error=error))
             self._send_next(raise_errors=False)
         out, self._results = self._results, []
@@ -164,7 +170,7 @@ class Claimer:
             if result is None:
                 return True
             if result.status == pq.ExecStatus.TUPLES_OK:
-                self._rows = self._load(result)
+                self._rows, self._buried = self._load(result)
             elif self._error is None:
                 try:
                     assert self._current is not None
@@ -173,7 +179,8 @@ class Claimer:
                     self._error = exc
         return False
 
-    def _load(self, result: pq.abc.PGresult) -> list[Delivered]:
+    def _load(self, result: pq.abc.PGresult) -> tuple[list[Delivered], tuple[Buried, ...]]:
+        """The leased messages, and those the claim moved to the dead letters."""
         types = tuple(result.ftype(i) for i in range(result.nfields))
         if types != _CLAIM_COLUMN_TYPES:
             raise RuntimeError(
@@ -187,6 +194,14 @@ class Claimer:
         n = result.ntuples
         if n:
             self._took = _FLOAT8.unpack(get(n - 1, 8))[0]
+        # dead rows come last (statement claim's ORDER BY); a bool is one byte
+        leased = n
+        while leased and get(leased - 1, _DEAD) != b"\x00":
+            leased -= 1
+        buried = tuple(
+            Buried(_int(get(i, 0)), _int(get(i, 1)), _int(get(i, 2)), get(i, 6).decode())
+            for i in range(leased, n)
+        )
         return [
             Delivered(
                 _int(get(i, 0)),
@@ -198,20 +213,24 @@ class Claimer:
                 get(i, 6).decode(),
                 get(i, 7).decode(),
             )
-            for i in range(n)
-        ]
+            for i in range(leased)
+        ], buried
 
     def _finish(self) -> None:
         request, self._current = self._current, None
         assert request is not None
         rows, self._rows = self._rows, []
+        buried, self._buried = self._buried, ()
         error, self._error = self._error, None
         took, self._took = self._took, 0.0
-        self._results.append(ClaimResult(request, [] if error else rows, took, error))
+        if error:  # nothing it says was done may have been committed
+            rows, buried = [], ()
+        self._results.append(ClaimResult(request, rows, took, error, buried))
 
     def close(self) -> list[ClaimResult]:
         """Close the connection; a claim in flight is awaited (CLOSE_WAIT_SECONDS).
-        Returns the claims that brought rows the loop did not take, to be released."""
+        Returns the claims that brought rows the loop did not take, to be released, or
+        that moved messages to the dead letters, to be told."""
         if self.closed:
             return []
         self.closed = True
@@ -234,4 +253,4 @@ class Claimer:
             self._conn.close()
         except Exception:  # noqa: S110 - closing a broken connection
             pass
-        return [result for result in left if result.rows]
+        return [result for result in left if result.rows or result.buried]

@@ -12,6 +12,7 @@ event loop (:class:`~._loop.LoopDriver`), and passes acks, rejects and restores 
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -27,9 +28,11 @@ from ._options import Options
 from ._resume import ResumePositions
 from ._store import Store, new_lease
 from ._windows import IDLE_INLINE_SECONDS, SinkState, Subscription, batch_limit, has_room
-from .records import ClaimRequest, ClaimResult, Handoff
+from .records import Buried, ClaimRequest, ClaimResult, Handoff
 
 Deliver = Callable[[dict[str, Any], str], None]
+
+logger = logging.getLogger(__name__)
 
 
 class Consumer:
@@ -155,12 +158,34 @@ class Consumer:
         queue = request.queue
         self._inflight.discard(queue)
         self._resume.note(result, self.clock())
+        self._said_buried(queue, result.buried)
         if rows:
             _counters.add("claimed", queue, len(rows))
             _counters.add("redelivered", queue, sum(row.attempts > 1 for row in rows))
         else:
             _counters.add("empty_claims", queue)
         return [codec.payload(row, queue, request.lease) for row in rows]
+
+    def _said_buried(self, queue: str, buried: tuple[Buried, ...]) -> None:
+        """One warning per message a claim moved to the dead letters: nothing else tells
+        anyone, and a task that never ran is easy to miss."""
+        for message in buried:
+            task = f" (task {message.task}[{message.task_id}])" if message.task else ""
+            deliveries = f"{message.attempts} deliver{'y' if message.attempts == 1 else 'ies'}"
+            logger.warning(
+                "pgqueue: message %s of queue %r%s moved to the dead letters after %s without "
+                "an ack (max_attempts %d: its consumer died or its %gs lease, "
+                "visibility_timeout, ran out each time); see it with: celery -A <your app> "
+                "pgqueue dead show %s (run it again: celery -A <your app> pgqueue dead requeue %s)",
+                message.id,
+                queue,
+                task,
+                deliveries,
+                self.options.max_attempts,
+                self.options.visibility_timeout,
+                message.id,
+                message.id,
+            )
 
     def fetch(self, queue: str, limit: int, no_ack: bool, sink: Sink) -> list[dict[str, Any]]:
         """Claim up to ``limit`` messages of ``queue`` here, waiting for the answer."""
@@ -344,6 +369,8 @@ class Consumer:
         claimer, self.claimer = self.claimer, None
         if claimer is not None:
             left = claimer.close()
+            for result in left:
+                self._said_buried(result.request.queue, result.buried)
             self.held.release([(row.id, r.request.lease) for r in left for row in r.rows])
         for state in self._sinks.values():
             state.claiming = 0

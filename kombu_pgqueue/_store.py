@@ -23,6 +23,7 @@ from ._handoffs import seal
 from .exceptions import PrivilegeError
 from .records import (
     STAGING_COLUMNS,
+    Buried,
     ClaimRequest,
     ClaimResult,
     DeadLetter,
@@ -166,10 +167,15 @@ class Store(Connected):
         return self.run_claim(self.claim_request(queue, limit, lease, now, after)).rows
 
     def run_claim(self, request: ClaimRequest) -> ClaimResult:
-        """Run a claim here and wait for it (the claimer sends the same without waiting)."""
+        """Run a claim here and wait for it (the claimer sends the same without waiting).
+
+        Rows marked dead (the last column) are messages the claim moved to the dead
+        letters instead: they come after the leased ones."""
         rows = self._rows(request.statement, dict(request.params))
         took = rows[-1][8] if rows else 0.0
-        return ClaimResult(request, [Delivered(*row[:8]) for row in rows], took)
+        leased = [Delivered(*row[:8]) for row in rows if not row[9]]
+        buried = tuple(Buried(row[0], row[1], row[2], row[6]) for row in rows if row[9])
+        return ClaimResult(request, leased, took, buried=buried)
 
     def claim_request(
         self,

@@ -85,13 +85,35 @@ class Handoff:
     row: Delivered
 
 
-def _task_id(headers: str) -> str | None:
-    """Header ``id`` of stored headers ``headers`` (JSON text), if it is a string."""
+def _header(headers: str, key: str) -> str | None:
+    """Header ``key`` of stored headers ``headers`` (JSON text), if it is a string."""
     try:
-        found = json.loads(headers).get("id")
+        found = json.loads(headers).get(key)
     except (ValueError, AttributeError):  # text kept as it came, or not an object
         return None
     return found if isinstance(found, str) else None
+
+
+@dataclass(frozen=True, slots=True)
+class Buried:
+    """A message a claim moved to the dead letters instead of handing it out: it had
+    had ``max_attempts`` deliveries without an ack (reason max_attempts)."""
+
+    id: int
+    priority: int
+    #: its deliveries
+    attempts: int
+    headers: str
+
+    @property
+    def task(self) -> str | None:
+        """The Celery task name (header ``task``), if it has one."""
+        return _header(self.headers, "task")
+
+    @property
+    def task_id(self) -> str | None:
+        """The Celery task id (header ``id``), if it has one."""
+        return _header(self.headers, "id")
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,7 +143,7 @@ class DeadLetter:
 
     def __post_init__(self) -> None:
         if self.task_id is None:
-            object.__setattr__(self, "task_id", _task_id(self.headers))
+            object.__setattr__(self, "task_id", _header(self.headers, "id"))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -195,9 +217,11 @@ class ClaimRequest:
 
 @dataclass(frozen=True, slots=True)
 class ClaimResult:
-    """What a claim brought: its rows and time in the server, or the error it met."""
+    """What a claim brought: its rows and time in the server, or the error it met, and
+    what it moved to the dead letters instead (``buried``)."""
 
     request: ClaimRequest
     rows: list[Delivered]
     took: float = 0.0
     error: BaseException | None = None
+    buried: tuple[Buried, ...] = ()

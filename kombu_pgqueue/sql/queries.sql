@@ -376,7 +376,8 @@ WHERE NOT EXISTS (SELECT 1 FROM target);
 -- name: claim :many
 -- Lease up to %(limit)s ready messages of one queue, in priority then FIFO order.
 -- A message that already had %(max_attempts)s deliveries goes to the dead letters
--- instead of out again.
+-- instead of out again, and comes back too, after the leased ones, marked dead (no
+-- body): the consumer logs it, since nothing else would tell anyone.
 WITH candidate AS MATERIALIZED (
     SELECT id, attempts
     FROM {schema}.message
@@ -414,7 +415,7 @@ buried AS (
     SELECT id, queue, priority, attempts, 'max_attempts', created_at, dedup_key,
            body, content_type, content_encoding, headers, properties
     FROM exhausted
-    RETURNING id
+    RETURNING id, priority, attempts, headers
 ),
 leased AS (
     UPDATE {schema}.message AS m
@@ -433,9 +434,15 @@ SELECT id, priority, attempts, body, content_type, content_encoding,
        headers::text, properties::text,
        -- seconds this statement took in the server, for Channel.claimed (a slow head);
        -- the client's own clock would also count the time until it read the answer
-       extract(EPOCH FROM clock_timestamp() - statement_timestamp())::float8 AS took
+       extract(EPOCH FROM clock_timestamp() - statement_timestamp())::float8 AS took,
+       false AS dead
 FROM leased
-ORDER BY priority DESC, id;
+UNION ALL
+SELECT id, priority, attempts, NULL, NULL, NULL, headers::text, NULL,
+       extract(EPOCH FROM clock_timestamp() - statement_timestamp())::float8,
+       true
+FROM buried
+ORDER BY dead, priority DESC, id;
 
 -- name: claim_after :many
 -- extends: claim

@@ -348,6 +348,37 @@ def test_a_claim_in_flight_when_the_claimer_closes_is_released_at_once(
 
 
 @pytest.mark.usefixtures("busy")
+def test_a_claim_in_the_loop_that_dead_letters_a_message_out_of_attempts_says_so(
+    make_connection: Callable[..., Connection], hub: Hub, caplog: pytest.LogCaptureFixture
+) -> None:
+    first = make_connection(max_attempts=1)
+    Producer(first).publish(
+        "x", routing_key="ctd", declare=[Queue("ctd")], headers={"task": "t", "id": "i"}
+    )
+    Producer(first).publish("y", routing_key="ctd")
+    channel = first.channel()
+    held = channel.basic_get("ctd")
+    assert held is not None
+    channel.close()  # delivered once, never acked: that delivery counts
+    conn = make_connection(max_attempts=1, **QUIET)
+    conn.transport.register_with_event_loop(conn.connection, hub)
+    consumer = conn.transport.consumer
+    got = _consume(conn, "ctd", 10)
+
+    with caplog.at_level(logging.WARNING, logger="kombu_pgqueue"):
+        consumer.pending.add("ctd")
+        consumer.deliver_pending()
+        assert "ctd" in consumer.in_flight  # sent: the claimer reads the answer
+        _take_answer(conn, "ctd")
+
+    assert got == ["y"]
+    [line] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    message_id = held.delivery_info["pgqueue_id"]
+    assert f"message {message_id} of queue 'ctd' (task t[i])" in line
+    assert f"pgqueue dead show {message_id}" in line
+
+
+@pytest.mark.usefixtures("busy")
 def test_claims_without_prepared_statements_deliver_too(
     make_connection: Callable[..., Connection], hub: Hub, monkeypatch: pytest.MonkeyPatch
 ) -> None:

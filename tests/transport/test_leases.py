@@ -11,6 +11,7 @@ from kombu import Connection, Consumer, Producer, Queue
 from waiting import wait_for
 
 from kombu_pgqueue._store import new_lease
+from kombu_pgqueue.admin import Broker
 from kombu_pgqueue.records import Outgoing
 
 Later = Callable[[float], datetime]
@@ -105,6 +106,41 @@ def test_release_on_connection_close_hands_consumed_messages_back_at_once(
     # they reached the callback: that delivery counts, so a message that takes its
     # consumer down every time reaches max_attempts instead of coming back forever
     assert [m.delivery_info["pgqueue_attempts"] for m in taken if m] == [2, 2, 2, 2]
+
+
+def _out_of_attempts(make_connection: Callable[..., Connection], queue: str) -> int:
+    """A Celery-like message in ``queue`` that was delivered once and never acked, under
+    max_attempts 1 (its consumer closed: that delivery counts); returns its id."""
+    conn = make_connection(max_attempts=1)
+    Producer(conn).publish(
+        {"x": 1},
+        routing_key=queue,
+        declare=[Queue(queue)],
+        headers={"task": "proj.tasks.export", "id": "6f1c-task-id"},
+    )
+    channel = conn.channel()
+    held = channel.basic_get(queue)
+    assert held is not None
+    channel.close()
+    return int(held.delivery_info["pgqueue_id"])
+
+
+def test_a_claim_that_dead_letters_a_message_out_of_attempts_says_so_in_one_warning(
+    make_connection: Callable[..., Connection], caplog: pytest.LogCaptureFixture
+) -> None:
+    message_id = _out_of_attempts(make_connection, "exhausted")
+    other = make_connection(max_attempts=1)
+
+    with caplog.at_level(logging.WARNING, logger="kombu_pgqueue"):
+        assert other.default_channel.basic_get("exhausted") is None
+
+    [line] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert f"message {message_id} of queue 'exhausted'" in line
+    assert "task proj.tasks.export[6f1c-task-id]" in line
+    assert "1 delivery" in line
+    assert f"celery -A <your app> pgqueue dead show {message_id}" in line
+    [dead] = Broker.from_connection(other).dead_letters("exhausted")
+    assert (dead.id, dead.reason, dead.attempts) == (message_id, "max_attempts", 1)
 
 
 def test_release_leaves_acked_and_rejected_messages_alone(
