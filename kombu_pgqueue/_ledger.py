@@ -14,6 +14,7 @@ process says it committed (threads and solo pools) sends nothing at all.
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 from collections.abc import Iterable
 from typing import Any, Protocol
@@ -88,6 +89,12 @@ class AtomicAcks(AckBatcher):
 
     def report(self, done: int, sent: int) -> None:
         logger.debug("pgqueue: %d of %d acks of atomic tasks deleted a row", done, sent)
+
+
+def _handled() -> str | None:
+    """The exception this thread is handling now, if any, as "Type: message"."""
+    exc = sys.exc_info()[1]
+    return None if exc is None else f"{type(exc).__name__}: {exc}"
 
 
 class Held:
@@ -211,13 +218,17 @@ class Held:
         )
 
     def reject(self, tag: str, requeue: bool) -> None:
+        """Requeue ``tag``, or move it to the dead letters (reason rejected). A reject
+        made while an exception is handled, in an ``except`` block (Celery rejects a task
+        it does not know inside its ``except KeyError``), keeps that exception as the
+        letter's error: otherwise nothing would say why."""
         self._undecodable.pop(tag, None)
         message_id, lease = self.settle(tag)
         if requeue:
             self.store.requeue(message_id, lease)
             _counters.add("requeued")
         else:
-            self.store.bury(message_id, lease, "rejected")
+            self.store.bury(message_id, lease, "rejected", _handled())
             _counters.add("rejected")
 
     def restore(self, tags: Iterable[str]) -> None:

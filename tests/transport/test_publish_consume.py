@@ -203,6 +203,25 @@ def test_basic_reject_without_requeue_dead_letters_as_rejected(connection: Conne
     assert store.size("rejects") == 0
     with pytest.raises(SimpleQueue.Empty):
         queue.get(timeout=0.2)
+    assert dead.error is None  # rejected outside an except block: nothing says why
+
+
+def test_a_reject_inside_an_except_block_keeps_the_exception_as_the_error(
+    connection: Connection,
+) -> None:
+    queue = connection.SimpleQueue("rejected-why")
+    queue.put({"kind": "unknown"})
+    message = queue.get(timeout=5)
+
+    handlers = {"known": print}
+    try:
+        handlers[message.payload["kind"]]
+    except KeyError:
+        message.reject(requeue=False)
+
+    [dead] = connection.default_channel.store.dead_letters("rejected-why")
+    assert (dead.reason, dead.error) == ("rejected", "KeyError: 'unknown'")
+    queue.close()
     queue.close()
 
 

@@ -11,6 +11,8 @@ from celery.contrib.testing.worker import start_worker
 from psycopg import sql
 from waiting import wait_for
 
+from kombu_pgqueue.admin import Broker
+
 pytestmark = pytest.mark.celery
 
 
@@ -168,3 +170,14 @@ def test_configure_sets_broker_and_backend(app, schema):
     assert app.conf.broker_url.startswith("pgqueue")
     assert app.conf.broker_transport_options["schema"] == schema
     assert app.conf.result_backend.startswith("db+postgresql+psycopg://")
+
+
+def test_an_unregistered_tasks_dead_letter_says_what_happened(app, worker):
+    """Celery rejects a task it does not know, inside its ``except KeyError``; the
+    dead letter keeps that error (it was empty: reason 'rejected' and nothing else)."""
+    app.send_task("proj.missing", args=(1,))
+    with app.connection_for_write() as conn:
+        broker = Broker.from_connection(conn)
+    [dead] = wait_for(lambda: broker.dead_letters("celery"), 20, "the task's dead letter")
+    assert dead.reason == "rejected"
+    assert dead.error is not None and "proj.missing" in dead.error, dead.error
