@@ -249,6 +249,11 @@ def test_auto_migrate_off_with_an_installed_schema_needs_no_owner_rights(
         conn.release()
 
 
+#: tables that no role but the owner reads or writes: the owner's SECURITY DEFINER
+#: functions (the dedup triggers) reach them, and docs/operations.md says so
+OWNER_ONLY = ("dedup",)
+
+
 def test_the_documented_grants_cover_every_table_and_only_read_the_migration_record(
     roles: Roles, db: psycopg.Connection, schema: str
 ) -> None:
@@ -268,6 +273,9 @@ def test_the_documented_grants_cover_every_table_and_only_read_the_migration_rec
                 " has_table_privilege(%(who)s, %(t)s, 'TRUNCATE')",
                 {"who": who, "t": qualified},
             ).fetchone()
+            if table in OWNER_ONLY:  # reached only through the owner's functions
+                assert row == (False, False, False, False, False), (table, who)
+                continue
             # the applied versions, and the key that seals handoffs: read only
             writes = table not in ("schema_migration", "handoff_key")
             assert row == (True, writes, writes, writes, False), (table, who)
