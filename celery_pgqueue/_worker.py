@@ -61,7 +61,7 @@ from celery.concurrency.solo import TaskPool as SoloPool
 from kombu.utils.imports import symbol_by_name
 from kombu.utils.url import maybe_sanitize_url
 
-from kombu_pgqueue.admin import Broker
+from kombu_pgqueue.admin import Broker, missing_transport
 from kombu_pgqueue.exceptions import ConfigurationError, PgQueueError
 
 from . import archive
@@ -99,26 +99,6 @@ def transport_hint(app: Any) -> str | None:
     scheme, _, rest = url.partition("://")
     hint = missing_transport(scheme, maybe_sanitize_url(f"pgqueue://{rest}"))
     return None if hint is None else f"broker_url {maybe_sanitize_url(url)!r}: {hint}"
-
-
-def missing_transport(scheme: str, written: str) -> str | None:
-    """What to do about a broker URL of ``scheme`` that Kombu has no transport for, when
-    pgqueue can tell (a PostgreSQL URL: ``written`` is what to write instead; or
-    ``pgqueue://`` not registered); None otherwise. The CLI, a worker and the pytest
-    plugin say it."""
-    kind = scheme.split("+")[0].lower()
-    if kind in ("postgresql", "postgres"):
-        return (
-            f"Kombu has no {scheme}:// transport; write {written} (or call "
-            "celery_pgqueue.configure(app, dsn), which makes it)"
-        )
-    if kind == "pgqueue":
-        return (
-            "the pgqueue:// transport is not registered in this process: import "
-            "celery_pgqueue (or kombu_pgqueue) where the app is made, or set "
-            "broker_transport = 'kombu_pgqueue.transport:Transport'"
-        )
-    return None
 
 
 def _before_init(sender: Any = None, instance: Any = None, **_: Any) -> None:

@@ -239,7 +239,7 @@ _NO_TRANSPORT = "No such transport: "
 def transport_hint(error: BaseException) -> str | None:
     """One line for a test that failed because Kombu knows no transport for the URL's
     scheme, saying what to write; None for any other error."""
-    from ._worker import missing_transport
+    from kombu_pgqueue.admin import missing_transport
 
     text = str(error.args[0]) if isinstance(error, KeyError) and error.args else ""
     if not text.startswith(_NO_TRANSPORT):

@@ -113,7 +113,7 @@ import difflib
 import logging
 import os
 import zlib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -461,3 +461,38 @@ def mask(dsn: str) -> str:
     if "password" in params:
         params["password"] = "**"
     return pg_conninfo.make_conninfo("", **params)
+
+
+def missing_transport(scheme: str, written: str) -> str | None:
+    """What to do about a broker URL of ``scheme`` that Kombu has no transport for, when
+    pgqueue can tell (a PostgreSQL URL: ``written`` is what to write instead; or
+    ``pgqueue://`` not registered); None otherwise. Kombu's error says it where this
+    package is imported (:func:`no_transport`), and so do Celery's worker, the CLI and
+    the pytest plugin (``celery_pgqueue``)."""
+    kind = scheme.split("+")[0].lower()
+    if kind in ("postgresql", "postgres"):
+        return (
+            f"Kombu has no {scheme}:// transport; write {written} (or call "
+            "celery_pgqueue.configure(app, dsn), which makes it)"
+        )
+    if kind == "pgqueue":
+        return (
+            "the pgqueue:// transport is not registered in this process: import "
+            "celery_pgqueue (or kombu_pgqueue) where the app is made, or set "
+            "broker_transport = 'kombu_pgqueue.transport:Transport'"
+        )
+    return None
+
+
+def no_transport(scheme: str) -> Callable[[], str]:
+    """An entry of Kombu's ``TRANSPORT_ALIASES`` for ``scheme``, a PostgreSQL URL scheme
+    Kombu has no transport for. Kombu calls an entry that is callable to resolve the
+    name; this one raises Kombu's own ``KeyError: 'No such transport: ...'``, with what
+    to write instead. It never resolves: a ``postgresql://`` URL that worked only where
+    pgqueue is imported would fail in every process that does not import it."""
+
+    def resolve() -> str:
+        written = f"the same URL with pgqueue:// in place of {scheme}://"
+        raise KeyError(f"No such transport: {scheme}. {missing_transport(scheme, written)}")
+
+    return resolve

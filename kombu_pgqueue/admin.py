@@ -18,7 +18,8 @@ app's ``app.connection_for_write()``). It opens nothing until first used, and th
 shares the process's connection pool with every Kombu connection to that database.
 
 Also here: the records it returns (:mod:`kombu_pgqueue.records`), transport option
-parsing (:func:`parse_options`), :func:`load_staged` for connections the caller opened
+parsing (:func:`parse_options`), what to do about a broker URL Kombu has no transport
+for (:func:`missing_transport`), :func:`load_staged` for connections the caller opened
 itself (a Spark executor's) and :func:`counters`, this process's event counters.
 Everything with a leading underscore elsewhere in the package may change without notice;
 what this module exports is the stable surface.
@@ -41,6 +42,7 @@ from ._options import (
     Options,
     check_schema,
     connection_conninfo,
+    missing_transport,
     notify_channel,
     parse_options,
 )
@@ -65,6 +67,7 @@ __all__ = [
     "TableSize",
     "counters",
     "load_staged",
+    "missing_transport",
     "parse_options",
 ]
 
