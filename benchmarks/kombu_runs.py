@@ -84,7 +84,8 @@ def bench_kombu(ctx: Ctx, broker: Broker, run: int) -> dict[str, float]:
             with psycopg.connect(ctx.settings.dsn, autocommit=True) as pg:
                 rows = pg.execute(
                     psycopg.sql.SQL(
-                        "SELECT count(*) FROM {}.message WHERE queue = %s AND lease IS NOT NULL"
+                        "SELECT count(*) FROM {}.message_store"
+                        " WHERE queue = %s AND lease IS NOT NULL"
                     ).format(psycopg.sql.Identifier(broker.options["schema"])),
                     (name,),
                 ).fetchone()[0]

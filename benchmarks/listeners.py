@@ -217,7 +217,7 @@ class Listeners:
 
 def _truncate(dsn: str, schema: str) -> None:
     with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute(sql.SQL("TRUNCATE {}.message").format(sql.Identifier(schema)))
+        conn.execute(sql.SQL("TRUNCATE {}.message_store").format(sql.Identifier(schema)))
         conn.execute("CHECKPOINT")
 
 

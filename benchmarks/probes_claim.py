@@ -27,7 +27,8 @@ def copy_rows(conn: psycopg.Connection, schema: str, queue: str, n: int) -> floa
     t0 = time.perf_counter()
     with conn.cursor() as cur:
         stmt = psycopg.sql.SQL(
-            "COPY {}.message (queue, body, content_type, content_encoding, headers, properties) "
+            "COPY {}.message_store"
+            " (queue, body, content_type, content_encoding, headers, properties) "
             "FROM STDIN"
         ).format(psycopg.sql.Identifier(schema))
         with cur.copy(stmt) as copy:
@@ -80,13 +81,13 @@ def claim_cost(store: Any, queue: str, limit: int, reps: int) -> float:
 
 def _load_deep(ctx: Ctx, conn: psycopg.Connection, schema: str) -> None:
     deep_n = ctx.sizes["deep_n"]
-    log(f"  pgqueue: COPY {deep_n:,} messages into {schema}.message (deep backlog)")
+    log(f"  pgqueue: COPY {deep_n:,} messages into {schema}.message_store (deep backlog)")
     rate = copy_rows(conn, schema, "deep", deep_n)
     delayed = deep_n // 10
     log(f"  pgqueue: loaded at {rate:,.0f} rows/s; {delayed:,} delayed ones beside them")
     conn.execute(
         psycopg.sql.SQL(
-            "INSERT INTO {}.message (queue, delayed, next_iteration, body, content_type,"
+            "INSERT INTO {}.message_store (queue, delayed, next_iteration, body, content_type,"
             " content_encoding, headers, properties)"
             " SELECT 'deep', true, now() + interval '1 day' + n * interval '1 ms',"
             " '\\x7b7d', 'application/json', 'utf-8', '{{}}', '{{}}'"
@@ -96,7 +97,7 @@ def _load_deep(ctx: Ctx, conn: psycopg.Connection, schema: str) -> None:
     )
     log("  pgqueue: VACUUM ANALYZE")
     conn.execute(
-        psycopg.sql.SQL("VACUUM ANALYZE {}.message").format(psycopg.sql.Identifier(schema))
+        psycopg.sql.SQL("VACUUM ANALYZE {}.message_store").format(psycopg.sql.Identifier(schema))
     )
 
 
@@ -107,7 +108,7 @@ def _churn(
     front of the live ones until (auto)vacuum runs: claim(1) then, and after VACUUM."""
     reps = ctx.sizes["claim_reps"]
     conn.execute(
-        psycopg.sql.SQL("ALTER TABLE {}.message SET (autovacuum_enabled = off)").format(
+        psycopg.sql.SQL("ALTER TABLE {}.message_store SET (autovacuum_enabled = off)").format(
             psycopg.sql.Identifier(schema)
         )
     )
@@ -136,7 +137,9 @@ def _churn(
         said: list[str] = []
         conn.add_notice_handler(lambda diag: said.append(diag.message_primary or ""))
         conn.execute(
-            psycopg.sql.SQL("VACUUM (VERBOSE) {}.message").format(psycopg.sql.Identifier(schema))
+            psycopg.sql.SQL("VACUUM (VERBOSE) {}.message_store").format(
+                psycopg.sql.Identifier(schema)
+            )
         )
         detail = [
             line.strip()
@@ -149,7 +152,7 @@ def _churn(
         out["claim1_vacuumed"] = [claim_cost(store, "deep", 1, reps) for _ in range(ctx.runs)]
     finally:
         conn.execute(
-            psycopg.sql.SQL("ALTER TABLE {}.message RESET (autovacuum_enabled)").format(
+            psycopg.sql.SQL("ALTER TABLE {}.message_store RESET (autovacuum_enabled)").format(
                 psycopg.sql.Identifier(schema)
             )
         )
@@ -179,7 +182,7 @@ def bench_claim(ctx: Ctx, broker: Broker) -> dict[str, list[float]]:
             shallow = f"shallow{r}"
             copy_rows(conn, schema, shallow, 10_000)
             conn.execute(
-                psycopg.sql.SQL("ANALYZE {}.message").format(psycopg.sql.Identifier(schema))
+                psycopg.sql.SQL("ANALYZE {}.message_store").format(psycopg.sql.Identifier(schema))
             )
             claim_cost(store, shallow, 1, 10)  # warm-up, prepares the statements
             claim_cost(store, "deep", 1, 10)

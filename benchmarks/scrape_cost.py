@@ -31,7 +31,7 @@ from kombu_pgqueue._store import Store
 
 BATCH = 1_000_000
 MESSAGES = sql.SQL(
-    "INSERT INTO {s}.message (queue, priority, delayed, next_iteration, created_at, body, "
+    "INSERT INTO {s}.message_store (queue, priority, delayed, next_iteration, created_at, body, "
     "headers, properties) "
     "SELECT %(queue)s, (i %% 3) * 4 * %(prioritised)s::int, %(delayed)s, "
     "CASE WHEN %(delayed)s THEN now() + interval '1 hour' ELSE now() END, "
@@ -40,12 +40,13 @@ MESSAGES = sql.SQL(
     "FROM generate_series(%(first)s::bigint, %(last)s::bigint) AS i"
 )
 LEASED = sql.SQL(
-    "UPDATE {s}.message SET lease = 42, attempts = 1, next_iteration = now() + interval '1 h' "
-    "WHERE id IN (SELECT id FROM {s}.message WHERE queue = 'celery' AND NOT delayed "
+    "UPDATE {s}.message_store"
+    " SET lease = 42, attempts = 1, next_iteration = now() + interval '1 h' "
+    "WHERE id IN (SELECT id FROM {s}.message_store WHERE queue = 'celery' AND NOT delayed "
     "ORDER BY priority DESC, id LIMIT 100)"
 )
 SMALL = sql.SQL(
-    "INSERT INTO {s}.message (queue, priority, body, headers, properties) "
+    "INSERT INTO {s}.message_store (queue, priority, body, headers, properties) "
     "SELECT 'small_' || (i %% %(queues)s::int), i %% 3, 'x', '{{}}', '{{}}' "
     "FROM generate_series(1, %(queues)s::int * 20) AS i"
 )
@@ -75,10 +76,11 @@ def load(conn: psycopg.Connection, schema: str, rows: int, queues: int) -> None:
     if queues:
         conn.execute(SMALL.format(s=s), {"queues": queues})
     conn.execute(DEAD.format(s=s), {"n": max(rows // 50, 10)})
-    conn.execute(sql.SQL("VACUUM ANALYZE {}.message").format(s))
+    conn.execute(sql.SQL("VACUUM ANALYZE {}.message_store").format(s))
     conn.execute(sql.SQL("VACUUM ANALYZE {}.dead_letter").format(s))
     size = conn.execute(
-        "SELECT pg_size_pretty(pg_total_relation_size(%s::regclass))", (f'"{schema}".message',)
+        "SELECT pg_size_pretty(pg_total_relation_size(%s::regclass))",
+        (f'"{schema}".message_store',),
     ).fetchone()
     print(f"loaded in {time.perf_counter() - started:.0f} s; message table {size[0]}")
 

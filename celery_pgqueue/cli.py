@@ -133,7 +133,8 @@ def version(ctx: click.Context, check: bool) -> None:
 @click.pass_context
 def queues(ctx: click.Context, as_json: bool) -> None:
     """Per queue: ready, delayed (ETA), leased (in flight), dead, oldest ready age."""
-    stats = broker_of(ctx).queue_stats()
+    broker = broker_of(ctx)
+    stats = broker.queue_stats()
     if as_json:
         click.echo(
             json.dumps(
@@ -156,6 +157,26 @@ def queues(ctx: click.Context, as_json: bool) -> None:
         (s.queue, s.ready, s.delayed, s.leased, s.dead, _age(s.oldest_ready_age)) for s in stats
     ]
     click.echo(table(("queue", "ready", "delayed", "leased", "dead", "oldest ready"), rows))
+    waits = storage_waits(broker.monitor().generations())
+    if waits:
+        click.echo(waits)
+
+
+def storage_waits(generations: list[admin.Generation]) -> str | None:
+    """One line on space that the storage's rotation cannot give back yet, and whose lock
+    keeps it; None when nothing waits."""
+    waiting = [g for g in generations if g.waiting]
+    if not waiting:
+        return None
+    holders = sorted({(g.blocked_by, g.blocked_by_application or "") for g in waiting})
+    who = ", ".join(f"pid {pid}" + (f" ({app})" if app else "") for pid, app in holders)
+    longest = max(g.blocked_seconds or 0.0 for g in waiting)
+    size = sum(g.total_bytes for g in waiting)
+    return (
+        f"storage: {size / 1e6:,.1f} MB in {len(waiting)} generation(s) that hold no message "
+        f"waits for {who}, whose lock has kept it for {_age(longest)}; it comes back when "
+        "that session ends (docs/operations.md, 'Vacuum and bloat')"
+    )
 
 
 @pgqueue.command()

@@ -28,7 +28,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from kombu_pgqueue import admin
-from kombu_pgqueue.admin import DEFAULT_CAP, Monitor, QueueDepth, TableSize
+from kombu_pgqueue.admin import DEFAULT_CAP, Generation, Monitor, QueueDepth, TableSize
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +96,30 @@ class Snapshot:
     taken: float
     depths: list[QueueDepth]
     tables: list[TableSize]
+    generations: list[Generation]
+
+
+def _storage(generations: list[Generation]) -> Iterator[Metric]:
+    """The storage's rotation: how many generations in each state, and the space that a
+    lock holder (a pg_dump) keeps from being given back, and since when."""
+    states = _gauge("pgqueue_generations", "Generations of the message storage.", "state")
+    counted = {state: 0 for state in ("next", "current", "live", "drained", "emptied")}
+    for generation in generations:
+        counted[generation.state] = counted.get(generation.state, 0) + 1
+    for state, count in counted.items():
+        states.add_metric([state], count)
+    waiting = [g for g in generations if g.waiting]
+    space = _gauge(
+        "pgqueue_storage_waiting_bytes",
+        "Bytes of generations that hold nothing live, kept by a session's lock (pg_dump).",
+    )
+    space.add_metric([], float(sum(g.total_bytes for g in waiting)))
+    held = _gauge(
+        "pgqueue_storage_waiting_seconds",
+        "Seconds the longest of those waits has lasted; 0 if none waits.",
+    )
+    held.add_metric([], max((g.blocked_seconds or 0.0 for g in waiting), default=0.0))
+    yield from (states, space, held)
 
 
 class PgQueueCollector(Collector):
@@ -137,11 +161,14 @@ class PgQueueCollector(Collector):
             try:
                 depths = self.monitor.queue_depths()
                 tables = self.monitor.table_sizes()
+                generations = self.monitor.generations()
             except Exception as exc:  # the database may be down: say so, serve counters
                 logger.warning("pgqueue metrics: monitoring queries failed: %r", exc)
-                self._last = Snapshot(False, self._clock() - started, started, [], [])
+                self._last = Snapshot(False, self._clock() - started, started, [], [], [])
             else:
-                self._last = Snapshot(True, self._clock() - started, started, depths, tables)
+                self._last = Snapshot(
+                    True, self._clock() - started, started, depths, tables, generations
+                )
             return self._last
 
     def collect(self) -> Iterator[Metric]:
@@ -194,6 +221,7 @@ class PgQueueCollector(Collector):
             live.add_metric([table.table], table.live_rows)
             dead.add_metric([table.table], table.dead_rows)
         yield from (size, live, dead)
+        yield from _storage(snap.generations)
 
     def _counters(self) -> Iterator[Metric]:
         counts = admin.counters()

@@ -12,7 +12,7 @@ from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import psycopg
-from psycopg import pq
+from psycopg import errors, pq
 from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import ConnectionPool, PoolTimeout
 
@@ -33,6 +33,10 @@ TUPLES_OK = pq.ExecStatus.TUPLES_OK
 _RELAXED = frozenset(
     {"claim", "claim_after", "ack", "ack_many", "requeue", "release", "bury", "renew"}
 )
+
+#: statements on held messages, by id and lease: sent again when the rotation moved
+#: their row meanwhile (see _rows)
+_FENCED = frozenset({"ack", "ack_many", "requeue", "release", "bury", "renew"})
 
 #: statements that go through an enlisted application transaction, if there is one
 _PUBLISHES = frozenset({"publish", "publish_many", "publish_routed"})
@@ -168,11 +172,24 @@ class Connected:
         size = 0
         if name in _PUBLISH_ATTEMPT and isinstance(body := params.get("body"), bytes):
             size = len(body)  # its deadline grows with it (see _deadline)
-        with self._connection(name, size) as conn:
-            cur = conn.execute(self._q[name], params, prepare=prepare)
-            # the result's status, not cur.description (which builds a Column per column)
-            result = cur.pgresult
-            return cur.fetchall() if result is not None and result.status == TUPLES_OK else []
+        retried = False
+        while True:
+            try:
+                with self._connection(name, size) as conn:
+                    cur = conn.execute(self._q[name], params, prepare=prepare)
+                    # the result's status, not cur.description (which builds a Column per
+                    # column)
+                    result = cur.pgresult
+                    if result is None or result.status != TUPLES_OK:
+                        return []
+                    return cur.fetchall()
+            except errors.SerializationFailure:
+                # READ COMMITTED raises it only for a row that the rotation moved to
+                # another generation while this statement waited for it: the row is
+                # there, with its lease, and the statement finds it when sent again
+                if retried or name not in _FENCED:
+                    raise
+                retried = True
 
     def _one(self, name: str, params: dict[str, Any]) -> tuple[Any, ...] | None:
         rows = self._rows(name, params)

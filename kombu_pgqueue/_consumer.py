@@ -28,6 +28,7 @@ from ._options import Options
 from ._resume import ResumePositions
 from ._store import Store, new_lease
 from ._windows import IDLE_INLINE_SECONDS, SinkState, Subscription, batch_limit, has_room
+from .exceptions import PgQueueError
 from .records import Buried, ClaimRequest, ClaimResult, Handoff
 
 Deliver = Callable[[dict[str, Any], str], None]
@@ -69,6 +70,8 @@ class Consumer:
         self.new_due: float | None = None
         self.next_poll = 0.0
         self._next_sweep = 0.0
+        self._next_rotation = 0.0
+        self._rotation_failures: set[str] = set()
         #: the clock of batching, resuming and idleness (tests move it)
         self.clock: Callable[[], float] = time.monotonic
 
@@ -404,7 +407,28 @@ class Consumer:
         if now >= self._next_sweep:
             self._next_sweep = now + self.options.sweep_interval
             self.store.sweep()
+        if now >= self._next_rotation:
+            self._next_rotation = now + self.options.rotate_interval
+            self._rotate()
         return self._note_due(next_due)
+
+    def _rotate(self) -> None:
+        """A step of the storage's rotation. It must never stop a worker: a failure
+        (a role without the grant on function rotate, a statement timeout) is logged,
+        once per kind, and the next step is tried again later."""
+        try:
+            self.store.rotate()
+        except (psycopg.Error, PgQueueError) as exc:
+            kind = type(exc).__name__
+            if kind not in self._rotation_failures:
+                self._rotation_failures.add(kind)
+                logger.warning(
+                    "pgqueue: the storage's rotation failed (%s: %s); messages are safe, "
+                    "but a snapshot held meanwhile keeps space until it succeeds. "
+                    "docs/operations.md, 'Vacuum and bloat', says what it needs",
+                    kind,
+                    exc,
+                )
 
     def _note_due(self, due: float | None) -> float | None:
         if due is None or (self.next_due is not None and self.next_due <= due):

@@ -74,6 +74,28 @@ class TableSize:
     last_vacuum_age: float | None
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Generation:
+    """One generation of the message storage (a partition of ``message_store``)."""
+
+    gen: int
+    #: next (attached ahead), current (publishes go here), live (older, may hold
+    #: messages), drained (holds none; claims skip it), emptied (truncated, not dropped)
+    state: str
+    total_bytes: int
+    #: the session whose lock keeps this generation from being emptied or dropped, and
+    #: for how many seconds; None when nothing waits
+    blocked_by: int | None = None
+    blocked_seconds: float | None = None
+    #: that session's application_name (pg_dump's is "pg_dump"), where this role may see it
+    blocked_by_application: str | None = None
+
+    @property
+    def waiting(self) -> bool:
+        """Space that nothing live uses and a lock holder keeps."""
+        return self.state in ("drained", "emptied") and self.blocked_by is not None
+
+
 class Monitor:
     """Read-only queries over one store's schema, for metrics and dashboards."""
 
@@ -104,6 +126,21 @@ class Monitor:
                 delayed_exact=bool(row[6]),
                 dead_exact=bool(row[7]),
                 oldest_ready_age=None if row[8] is None else float(row[8]),
+            )
+            for row in rows
+        ]
+
+    def generations(self, now: datetime | None = None) -> list[Generation]:
+        """The storage's generations, oldest first, and what keeps any from going."""
+        rows = self.store._rows("generations", self._params(now))
+        return [
+            Generation(
+                gen=int(row[0]),
+                state=row[1],
+                total_bytes=int(row[2]),
+                blocked_by=row[3],
+                blocked_seconds=None if row[4] is None else float(row[4]),
+                blocked_by_application=row[5] or None,
             )
             for row in rows
         ]

@@ -40,6 +40,14 @@ Transport options
   the ``synchronous_commit`` option says otherwise.
 * ``sweep_interval`` (float, 30): seconds between removals of expired messages
   and unused ``x-expires`` queues.
+* ``rotate_interval`` (float, 5): seconds between a consumer's steps of the storage's
+  rotation (one consumer of the schema at a time does it; docs/operations.md, "Vacuum
+  and bloat"): messages live in generations, and one that holds nothing live is emptied
+  by TRUNCATE, so a snapshot that another session holds (``pg_dump``) keeps no space.
+* ``generation_max_age`` (float, 600): a new generation at least this often.
+* ``generation_dead_rows`` (int, 100000): a new generation sooner (after
+  ``rotate_interval`` at the least) once the current one holds this many dead rows that
+  VACUUM cannot remove, because a snapshot older than them is held.
 * ``listen`` (bool, True): wait on LISTEN/NOTIFY. Turn off behind PgBouncer in
   transaction mode (then also set ``prepare_threshold`` to None).
 * ``handoff`` (bool, True): a publish to a queue a consumer waits for leases the message
@@ -145,6 +153,9 @@ class Options:
     max_attempts: int = 5
     polling_interval: float = 5.0
     sweep_interval: float = 30.0
+    rotate_interval: float = 5.0
+    generation_max_age: float = 600.0
+    generation_dead_rows: int = 100_000
     listen: bool = True
     handoff: bool = True
     batch_acks: bool = True
@@ -305,6 +316,8 @@ def parse_options(transport_options: Mapping[str, Any]) -> Options:
         ("visibility_timeout", 1.0),
         ("polling_interval", 0.01),
         ("sweep_interval", 0.1),
+        ("rotate_interval", 0.1),
+        ("generation_max_age", 0.0),
         ("pool_timeout", 0.1),
         ("statement_timeout", 0.0),
         ("publish_timeout", 0.0),
@@ -315,7 +328,7 @@ def parse_options(transport_options: Mapping[str, Any]) -> Options:
         kwargs["lease_renewal_interval"] = _number(
             "lease_renewal_interval", topts["lease_renewal_interval"], minimum=0.05
         )
-    for name, minimum in (("max_attempts", 0), ("pool_max_size", 2)):
+    for name, minimum in (("max_attempts", 0), ("pool_max_size", 2), ("generation_dead_rows", 1)):
         if topts.get(name) is not None:
             kwargs[name] = _number(name, topts[name], minimum=minimum, integer=True)
     if "prepare_threshold" in topts:

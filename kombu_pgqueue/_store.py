@@ -31,7 +31,14 @@ from .records import (
     Failure,
     Outgoing,
     QueueStats,
+    Rotation,
 )
+
+#: messages one rotation step moves at most, per generation
+ROTATION_BATCH = 10_000
+#: generations (partitions) there may be at once; a rotation waits while there are as
+#: many (drained ones that a long reader keeps from being dropped, say)
+MAX_GENERATIONS = 64
 
 
 def driver_version() -> str:
@@ -278,6 +285,22 @@ class Store(Connected):
         row = self._one("sweep", {"now": now, "min_expires": min_expires})
         keys = ("expired_messages", "expired_queues", "bindings", "queue_messages")
         return dict(zip(keys, (int(v) for v in row))) if row else {}
+
+    def rotate(self) -> Rotation:
+        """One step of the storage's rotation (function ``rotate``, migration 0012);
+        returns at once when another process is taking one."""
+        row = self._one(
+            "rotate",
+            {
+                "channel": self.options.channel,
+                "max_age": self.options.generation_max_age,
+                "min_age": self.options.rotate_interval,
+                "dead_limit": self.options.generation_dead_rows,
+                "batch": ROTATION_BATCH,
+                "max_generations": MAX_GENERATIONS,
+            },
+        )
+        return Rotation(*row) if row else Rotation(False, 0, 0, 0)
 
     # -- queues, exchanges, bindings ---------------------------------------------
 

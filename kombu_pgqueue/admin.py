@@ -36,7 +36,7 @@ from kombu.connection import Connection
 from psycopg.conninfo import make_conninfo
 
 from . import _copy, _counters, _store, migrations
-from ._monitor import DEFAULT_CAP, Monitor, QueueDepth, TableSize
+from ._monitor import DEFAULT_CAP, Generation, Monitor, QueueDepth, TableSize
 from ._options import (
     DEFAULT_SCHEMA,
     Options,
@@ -58,6 +58,7 @@ __all__ = [
     "DeadLetter",
     "Delivered",
     "Failure",
+    "Generation",
     "Monitor",
     "Options",
     "Outgoing",

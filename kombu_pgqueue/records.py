@@ -117,6 +117,20 @@ class Buried:
 
 
 @dataclass(frozen=True, slots=True)
+class Rotation:
+    """What one step of the storage's rotation did (function ``rotate``)."""
+
+    #: a new generation became the current one
+    rotated: bool
+    #: messages moved forward (out of old generations, or the previous version's table)
+    moved: int
+    #: generations emptied by TRUNCATE
+    emptied: int
+    #: emptied generations dropped
+    dropped: int
+
+
+@dataclass(frozen=True, slots=True)
 class DeadLetter:
     id: int
     queue: str

@@ -277,4 +277,6 @@ def analyse(conn: psycopg.Connection, run: str, broker_schema: str) -> Figures:
 
 
 def broker_leftovers(conn: psycopg.Connection, schema: str) -> int:
-    return count(conn, sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(schema, "message")))
+    return count(
+        conn, sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(schema, "message_store"))
+    )

@@ -209,34 +209,47 @@ def pg_ensure_running() -> None:
         )
 
 
-def table_stats(conn: psycopg.Connection, schema: str, table: str = "message") -> dict[str, Any]:
-    """n_dead_tup, n_live_tup and sizes of ``schema.table`` and each of its indexes."""
+def table_stats(
+    conn: psycopg.Connection, schema: str, table: str = "message_store"
+) -> dict[str, Any]:
+    """n_dead_tup, n_live_tup and sizes of ``schema.table`` and each of its indexes; for a
+    partitioned table (message_store's generations), summed over its partitions, and
+    each index by the name of the partitioned one."""
     row = conn.execute(
         """
-        SELECT n_live_tup, n_dead_tup, pg_total_relation_size(relid), pg_relation_size(relid)
+        SELECT sum(n_live_tup), sum(n_dead_tup), sum(pg_total_relation_size(relid)),
+               sum(pg_relation_size(relid))
         FROM pg_stat_user_tables
-        WHERE schemaname = %s AND relname = %s
+        WHERE relid IN (
+            SELECT p.relid FROM pg_partition_tree(format('%%I.%%I', %(s)s::text, %(t)s::text))
+                AS p WHERE p.isleaf
+        )
         """,
-        (schema, table),
+        {"s": schema, "t": table},
     ).fetchone()
     assert row is not None
-    indexes = dict(
-        conn.execute(
-            """
-            SELECT indexrelname, pg_relation_size(indexrelid)
-            FROM pg_stat_user_indexes
-            WHERE schemaname = %s AND relname = %s
-            ORDER BY indexrelname
-            """,
-            (schema, table),
-        ).fetchall()
-    )
+    found = conn.execute(
+        """
+        SELECT coalesce(parent.relname, s.indexrelname), pg_relation_size(s.indexrelid)
+        FROM pg_stat_user_indexes AS s
+        LEFT JOIN pg_inherits AS i ON i.inhrelid = s.indexrelid
+        LEFT JOIN pg_class AS parent ON parent.oid = i.inhparent
+        WHERE s.relid IN (
+            SELECT p.relid FROM pg_partition_tree(format('%%I.%%I', %(s)s::text, %(t)s::text))
+                AS p WHERE p.isleaf
+        )
+        """,
+        {"s": schema, "t": table},
+    ).fetchall()
+    indexes: dict[str, int] = {}
+    for name, size in found:
+        indexes[name] = indexes.get(name, 0) + int(size)
     return {
-        "n_live_tup": row[0],
-        "n_dead_tup": row[1],
-        "total_bytes": row[2],
-        "heap_bytes": row[3],
-        "indexes": indexes,
+        "n_live_tup": int(row[0] or 0),
+        "n_dead_tup": int(row[1] or 0),
+        "total_bytes": int(row[2] or 0),
+        "heap_bytes": int(row[3] or 0),
+        "indexes": dict(sorted(indexes.items())),
     }
 
 
@@ -248,7 +261,7 @@ def vacuum_ticker(
     def loop() -> None:
         with psycopg.connect(dsn, autocommit=True) as conn:
             while not stop.wait(interval):
-                conn.execute(sql.SQL("VACUUM {}").format(sql.Identifier(schema, "message")))
+                conn.execute(sql.SQL("VACUUM {}").format(sql.Identifier(schema, "message_store")))
 
     thread = threading.Thread(target=loop, name="vacuum", daemon=True)
     thread.start()

@@ -121,7 +121,9 @@ def main() -> None:
                     for c in consumers:
                         for _ in c.notifies(timeout=0):
                             pass
-                    conn.execute(sql.SQL("TRUNCATE {}.message").format(sql.Identifier(SCHEMA)))
+                    conn.execute(
+                        sql.SQL("TRUNCATE {}.message_store").format(sql.Identifier(SCHEMA))
+                    )
         consume(0, False)
     print(f"median us per publish (client call, prepared), {rounds} rounds [min-max of rounds]")
     for key in sorted(results):

@@ -38,6 +38,7 @@ def ev(name: str) -> None:
 if os.environ.get("PROBE_NO_IDLE") == "1":
     _consumer.IDLE_INLINE_SECONDS = 1e9
 
+
 @app.task(name="lat")
 def lat(sent: float) -> None:
     ev(f"task_start {time.time() - sent:.6f}")

@@ -274,7 +274,7 @@ def statements_main() -> None:
                         statistics.median(samples) * 1e6
                     )
             conn.execute(
-                psycopg.sql.SQL("TRUNCATE {}.message").format(psycopg.sql.Identifier(SCHEMA))
+                psycopg.sql.SQL("TRUNCATE {}.message_store").format(psycopg.sql.Identifier(SCHEMA))
             )
     print("median us per execution (client call, prepared), 4 rounds [min-max of rounds]")
     for key, vals in results.items():

@@ -17,12 +17,12 @@
 WITH held AS (
     SELECT id, queue, priority, created_at, dedup_key, body, content_type,
            content_encoding, headers, properties
-    FROM {schema}.message
+    FROM {schema}.message_store
     WHERE id = %(id)s
       AND lease = %(lease)s
 ),
 moved AS (
-    DELETE FROM {schema}.message
+    DELETE FROM {schema}.message_store
     WHERE %(move)s::boolean
       AND id = %(id)s
       AND lease = %(lease)s
@@ -45,7 +45,7 @@ kept AS (
            %(properties)s::json
     WHERE NOT EXISTS (SELECT 1 FROM held)
       -- the statement's snapshot: a row here now has another lease
-      AND NOT EXISTS (SELECT 1 FROM {schema}.message WHERE id = %(id)s)
+      AND NOT EXISTS (SELECT 1 FROM {schema}.message_store WHERE id = %(id)s)
 )
 INSERT INTO {schema}.dead_letter AS d (
     id, queue, priority, attempts, reason, error, traceback, created_at, dedup_key,

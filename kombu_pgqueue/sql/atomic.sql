@@ -7,7 +7,7 @@
 -- here: the commit that deletes the row also holds the task's own writes. The row stays
 -- locked until that transaction ends, so no claim takes it meanwhile (SKIP LOCKED); a
 -- claim that locked it first and leased it anew makes this delete find nothing.
-DELETE FROM {schema}.message
+DELETE FROM {schema}.message_store
 WHERE id = %(id)s
   AND lease = %(lease)s
 RETURNING id;
@@ -19,5 +19,5 @@ SELECT
     lease IS NOT NULL AS leased,
     attempts,
     next_iteration > coalesce(%(now)s::timestamptz, now()) AS lease_live
-FROM {schema}.message
+FROM {schema}.message_store
 WHERE id = %(id)s;

@@ -14,7 +14,7 @@ WITH RECURSIVE pair AS (
     -- messages which are not delayed, however many messages there are.
     (
         SELECT queue, priority
-        FROM {schema}.message
+        FROM {schema}.message_store
         WHERE NOT delayed
         ORDER BY queue, priority DESC
         LIMIT 1
@@ -25,7 +25,7 @@ WITH RECURSIVE pair AS (
     CROSS JOIN LATERAL (
         (
             SELECT m.queue, m.priority
-            FROM {schema}.message AS m
+            FROM {schema}.message_store AS m
             WHERE NOT m.delayed
               AND m.queue = pair.queue
               AND m.priority < pair.priority
@@ -35,7 +35,7 @@ WITH RECURSIVE pair AS (
         UNION ALL
         (
             SELECT m.queue, m.priority
-            FROM {schema}.message AS m
+            FROM {schema}.message_store AS m
             WHERE NOT m.delayed
               AND m.queue > pair.queue
             ORDER BY m.queue, m.priority DESC
@@ -67,7 +67,7 @@ delayed_sample AS MATERIALIZED (
     -- the soonest due delayed messages, at most %(cap)s + 1 of them: all of them
     -- when there are not more than %(cap)s
     SELECT queue
-    FROM {schema}.message
+    FROM {schema}.message_store
     WHERE delayed
     ORDER BY due_at
     LIMIT %(cap)s::bigint + 1
@@ -77,17 +77,29 @@ delayed_seen AS (
     FROM delayed_sample
     GROUP BY queue
 ),
+generations AS (
+    -- the partitions of message_store (migration 0012), the largest first
+    SELECT t.relname, greatest(t.n_live_tup, 0)::float8 AS live
+    FROM pg_catalog.pg_inherits AS i
+    JOIN pg_stat_user_tables AS t ON t.relid = i.inhrelid
+    WHERE i.inhparent = to_regclass(format('%%I.message_store', %(schema)s::text))
+),
 live_rows AS (
-    -- kept current by every commit, unlike pg_class.reltuples
-    SELECT relname, greatest(n_live_tup, 0)::float8 AS live
+    -- kept current by every commit, unlike pg_class.reltuples; 'message' stands for
+    -- all generations together
+    SELECT 'message'::name AS relname, coalesce(sum(live), 0) AS live,
+           (SELECT g.relname FROM generations AS g ORDER BY g.live DESC LIMIT 1) AS sampled
+    FROM generations
+    UNION ALL
+    SELECT relname, greatest(n_live_tup, 0)::float8, relname
     FROM pg_stat_user_tables
     WHERE schemaname = %(schema)s
-      AND relname IN ('message', 'dead_letter')
+      AND relname = 'dead_letter'
 ),
 queue_freq AS (
     -- per table, ANALYZE's most common queues and the share of each other queue
     SELECT
-        s.tablename,
+        r.relname AS tablename,
         s.most_common_vals::text::text[] AS vals,
         s.most_common_freqs AS freqs,
         (1 - s.null_frac - coalesce((SELECT sum(f) FROM unnest(s.most_common_freqs) AS f), 0))
@@ -97,10 +109,10 @@ queue_freq AS (
                 1
             ) AS other_freq,
         r.live
-    FROM pg_stats AS s
-    JOIN live_rows AS r ON r.relname = s.tablename
+    FROM live_rows AS r
+    -- ANALYZE's figures of the largest generation stand for all of them
+    JOIN pg_stats AS s ON s.tablename = r.sampled
     WHERE s.schemaname = %(schema)s
-      AND s.tablename IN ('message', 'dead_letter')
       AND s.attname = 'queue'
 ),
 delayed_total AS MATERIALIZED (
@@ -111,10 +123,10 @@ delayed_total AS MATERIALIZED (
             SELECT r.live * coalesce(
                 s.most_common_freqs[array_position(s.most_common_vals::text::text[], 't')], 0
             )
-            FROM pg_stats AS s
-            JOIN live_rows AS r ON r.relname = s.tablename
+            FROM live_rows AS r
+            JOIN pg_stats AS s ON s.tablename = r.sampled
             WHERE s.schemaname = %(schema)s
-              AND s.tablename = 'message'
+              AND r.relname = 'message'
               AND s.attname = 'delayed'
         ) AS estimate
 ),
@@ -149,7 +161,7 @@ head AS (
     FROM pair
     LEFT JOIN LATERAL (
         SELECT m.priority, m.id, m.created_at
-        FROM {schema}.message AS m
+        FROM {schema}.message_store AS m
         WHERE m.queue = pair.queue
           AND NOT m.delayed
           AND m.priority <= pair.priority
@@ -192,7 +204,7 @@ counted AS (
             ) AS leased
         FROM (
             SELECT m.lease, m.next_iteration
-            FROM {schema}.message AS m
+            FROM {schema}.message_store AS m
             WHERE m.queue = named.queue
               AND NOT m.delayed
             ORDER BY m.priority DESC, m.id
@@ -219,7 +231,7 @@ counted AS (
             SELECT count(*) AS seen
             FROM (
                 SELECT 1
-                FROM {schema}.message AS m
+                FROM {schema}.message_store AS m
                 WHERE m.queue = head.queue
                   AND NOT m.delayed
                   AND m.priority = head.priority
@@ -287,16 +299,45 @@ ORDER BY queue;
 -- name: table_sizes :many
 -- Per broker table: bytes on disk (with indexes and TOAST), live and dead rows as the
 -- server counts them, and seconds since it was last vacuumed. Catalog reads only.
+-- 'message' is all the messages' storage: every generation of message_store (migration
+-- 0012), and the previous version's table while it lasts; its vacuum age is the oldest.
 SELECT
-    t.relname,
-    pg_total_relation_size(t.relid),
-    greatest(t.n_live_tup, 0),
-    greatest(t.n_dead_tup, 0),
-    extract(
+    CASE WHEN t.relname = 'dead_letter' THEN 'dead_letter' ELSE 'message' END AS relname,
+    sum(pg_total_relation_size(t.relid))::bigint,
+    sum(greatest(t.n_live_tup, 0))::bigint,
+    sum(greatest(t.n_dead_tup, 0))::bigint,
+    max(extract(
         EPOCH FROM coalesce(%(now)s::timestamptz, now())
             - greatest(t.last_vacuum, t.last_autovacuum)
-    )::float8
+    ))::float8
 FROM pg_stat_user_tables AS t
 WHERE t.schemaname = %(schema)s
-  AND t.relname IN ('message', 'dead_letter')
-ORDER BY t.relname;
+  AND (
+      t.relname IN ('message', 'dead_letter')
+      OR t.relid IN (
+          SELECT i.inhrelid FROM pg_catalog.pg_inherits AS i
+          WHERE i.inhparent = to_regclass(format('%%I.message_store', %(schema)s::text))
+      )
+  )
+GROUP BY 1
+ORDER BY 1;
+
+-- name: generations :many
+-- The storage's generations (migration 0012): state, bytes on disk, and for one whose
+-- space waits (drained or emptied, not yet given back), the session whose lock keeps it
+-- (pg_dump, say), for how many seconds, and what that session says it is. The session's
+-- name and query are NULL where this role may not see them (pg_read_all_stats shows
+-- them). Catalog reads only.
+SELECT
+    g.gen,
+    g.state,
+    coalesce(pg_total_relation_size(
+        to_regclass(format('%%I.%%I', %(schema)s::text, 'message_store_' || g.gen))
+    ), 0),
+    g.blocked_by,
+    extract(EPOCH FROM coalesce(%(now)s::timestamptz, now()) - g.blocked_since)::float8,
+    a.application_name,
+    a.backend_type
+FROM {schema}.generation AS g
+LEFT JOIN pg_stat_activity AS a ON a.pid = g.blocked_by
+ORDER BY g.gen;

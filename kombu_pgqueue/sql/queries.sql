@@ -108,7 +108,7 @@ fresh AS MATERIALIZED (
 ),
 replaced AS (
     -- the waiting message with this key, never one that a consumer holds
-    UPDATE {schema}.message AS m
+    UPDATE {schema}.message_store AS m
     SET priority = %(priority)s,
         delayed = fresh.delayed,
         next_iteration = fresh.next_iteration,
@@ -130,7 +130,7 @@ replaced AS (
 inserted AS (
     -- a key that another waiting or running message holds: the trigger dedup_claim
     -- (migration 0011) skips the row, and no row comes back
-    INSERT INTO {schema}.message (
+    INSERT INTO {schema}.message_store (
         queue, priority, delayed, next_iteration, expires_at, dedup_key,
         body, content_type, content_encoding, headers, properties, lease, attempts
     )
@@ -194,7 +194,7 @@ CROSS JOIN LATERAL (
 -- name: publish_many :many
 -- Many messages in one round trip, each column an array of the same length.
 WITH inserted AS (
-    INSERT INTO {schema}.message (
+    INSERT INTO {schema}.message_store (
         queue, priority, delayed, next_iteration, expires_at, dedup_key,
         body, content_type, content_encoding, headers, properties
     )
@@ -311,7 +311,7 @@ waiting AS MATERIALIZED (
     LEFT JOIN picked ON picked.queue = wanted.queue
 ),
 inserted AS (
-    INSERT INTO {schema}.message (
+    INSERT INTO {schema}.message_store (
         queue, priority, delayed, next_iteration, expires_at, dedup_key,
         body, content_type, content_encoding, headers, properties, lease, attempts
     )
@@ -380,8 +380,11 @@ WHERE NOT EXISTS (SELECT 1 FROM target);
 -- body): the consumer logs it, since nothing else would tell anyone.
 WITH candidate AS MATERIALIZED (
     SELECT id, attempts
-    FROM {schema}.message
+    FROM {schema}.message_store
     WHERE queue = %(queue)s
+      -- generations that hold nothing live are skipped, not walked (migration 0012):
+      -- a sub-select, so the pruning happens as the statement runs, in any plan
+      AND gen >= (SELECT r.oldest FROM {schema}.rotation AS r)
       AND NOT delayed
       AND next_iteration <= coalesce(%(now)s::timestamptz, now())
       AND (expires_at IS NULL OR expires_at > coalesce(%(now)s::timestamptz, now()))
@@ -397,7 +400,7 @@ WITH candidate AS MATERIALIZED (
     FOR UPDATE SKIP LOCKED
 ),
 exhausted AS (
-    DELETE FROM {schema}.message AS m
+    DELETE FROM {schema}.message_store AS m
     USING candidate AS c
     WHERE m.id = c.id
       -- redundant with the join, but an index condition on the primary key in any
@@ -418,7 +421,7 @@ buried AS (
     RETURNING id, priority, attempts, headers
 ),
 leased AS (
-    UPDATE {schema}.message AS m
+    UPDATE {schema}.message_store AS m
     SET next_iteration = coalesce(%(now)s::timestamptz, now())
                          + make_interval(secs => %(lease_seconds)s),
         attempts = m.attempts + 1,
@@ -458,8 +461,9 @@ AND priority = %(after_priority)s::smallint AND id > %(after_id)s::bigint
 -- as it is handed out, as AMQP's no-ack delivery is.
 WITH candidate AS MATERIALIZED (
     SELECT id
-    FROM {schema}.message
+    FROM {schema}.message_store
     WHERE queue = %(queue)s
+      AND gen >= (SELECT r.oldest FROM {schema}.rotation AS r)  -- as claim's
       AND NOT delayed
       AND next_iteration <= coalesce(%(now)s::timestamptz, now())
       AND (expires_at IS NULL OR expires_at > coalesce(%(now)s::timestamptz, now()))
@@ -467,7 +471,7 @@ WITH candidate AS MATERIALIZED (
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
 )
-DELETE FROM {schema}.message AS m
+DELETE FROM {schema}.message_store AS m
 USING candidate AS c
 WHERE m.id = c.id
   AND m.id = ANY(ARRAY(SELECT id FROM candidate))
@@ -476,7 +480,7 @@ RETURNING m.id, m.priority, m.attempts + 1, m.body, m.content_type,
 
 -- name: ack :one
 -- Fenced: only the delivery that holds the lease may delete the row.
-DELETE FROM {schema}.message
+DELETE FROM {schema}.message_store
 WHERE id = %(id)s
   AND lease = %(lease)s
   -- relax_consumer_commits: 'off' here spares this commit the WAL flush wait; a crash
@@ -493,7 +497,7 @@ RETURNING id;
 -- times a density of zero) joins in the other order, and scans the whole primary key
 -- on every call: 78 ms for 20 acks over 6,000 rows (auto_explain, chaos "snapshot").
 -- Every statement here that joins the message table to a list of ids does the same.
-DELETE FROM {schema}.message AS m
+DELETE FROM {schema}.message_store AS m
 USING unnest(%(ids)s::bigint[], %(leases)s::bigint[]) AS held (id, lease)
 WHERE m.id = held.id
   AND m.id = ANY(%(ids)s::bigint[])
@@ -507,7 +511,7 @@ RETURNING m.id;
 
 -- name: requeue :one
 -- Visible again at once, at its old place in the queue.
-UPDATE {schema}.message
+UPDATE {schema}.message_store
 SET next_iteration = coalesce(%(now)s::timestamptz, now()),
     lease = NULL
 WHERE id = %(id)s
@@ -525,7 +529,7 @@ RETURNING id, pg_notify(%(channel)s, 'r:' || coalesce((SELECT t.token FROM {sche
 -- at shutdown or reconnect) keep their count, so a message that takes its consumer
 -- down cannot come back forever.
 WITH released AS (
-    UPDATE {schema}.message AS m
+    UPDATE {schema}.message_store AS m
     SET next_iteration = coalesce(%(now)s::timestamptz, now()),
         lease = NULL,
         attempts = CASE WHEN %(uncount)s THEN greatest(m.attempts - 1, 0) ELSE m.attempts END
@@ -546,7 +550,7 @@ FROM (SELECT DISTINCT queue FROM released) AS released_queue;
 -- name: bury :one
 -- Reject without requeue: into the dead letters with the reason.
 WITH gone AS (
-    DELETE FROM {schema}.message
+    DELETE FROM {schema}.message_store
     WHERE id = %(id)s
       AND lease = %(lease)s
       -- relax_consumer_commits: 'off' here spares this commit the WAL flush wait; a crash
@@ -568,10 +572,16 @@ RETURNING id;
 
 -- name: renew :many
 -- A live consumer pushes its leases forward; a lease taken over by someone else
--- does not match and is left alone.
-UPDATE {schema}.message AS m
+-- does not match and is left alone. A message held since two generations ago or more
+-- (a long task) moves to the current one as its lease is renewed, so that it keeps no
+-- old generation from being emptied (migration 0012).
+UPDATE {schema}.message_store AS m
 SET next_iteration = coalesce(%(now)s::timestamptz, now())
-                     + make_interval(secs => %(lease_seconds)s)
+                     + make_interval(secs => %(lease_seconds)s),
+    gen = (
+        SELECT CASE WHEN m.gen < s.last_value - 1 THEN s.last_value ELSE m.gen END
+        FROM {schema}.generation_seq AS s
+    )
 FROM unnest(%(ids)s::bigint[], %(leases)s::bigint[]) AS held (id, lease)
 WHERE m.id = held.id
   AND m.id = ANY(%(ids)s::bigint[])
@@ -590,7 +600,7 @@ RETURNING m.id;
 -- messages, and when the next delayed one is due.
 WITH due AS MATERIALIZED (
     SELECT id
-    FROM {schema}.message
+    FROM {schema}.message_store
     WHERE delayed
       AND due_at <= coalesce(%(now)s::timestamptz, now())
     ORDER BY due_at
@@ -599,7 +609,7 @@ WITH due AS MATERIALIZED (
 ),
 promoted AS (
     -- = ANY(ARRAY(...)) keeps the plan on the primary key whatever the estimate
-    UPDATE {schema}.message AS m
+    UPDATE {schema}.message_store AS m
     SET delayed = false
     WHERE m.id = ANY(ARRAY(SELECT id FROM due))
     RETURNING m.queue
@@ -622,15 +632,16 @@ SELECT ready.queue, NULL
 FROM unnest(%(check)s::text[]) AS ready (queue)
 WHERE EXISTS (
     SELECT 1
-    FROM {schema}.message AS m
+    FROM {schema}.message_store AS m
     WHERE m.queue = ready.queue
+      AND m.gen >= (SELECT r.oldest FROM {schema}.rotation AS r)  -- as claim's
       AND NOT m.delayed
       AND m.next_iteration <= coalesce(%(now)s::timestamptz, now())
       AND (m.expires_at IS NULL OR m.expires_at > coalesce(%(now)s::timestamptz, now()))
 )
 UNION ALL
 SELECT NULL, extract(EPOCH FROM min(m.due_at))::float8
-FROM {schema}.message AS m
+FROM {schema}.message_store AS m
 WHERE m.delayed
   AND m.due_at > coalesce(%(now)s::timestamptz, now());
 
@@ -640,7 +651,7 @@ WHERE m.delayed
 -- than their x-expires (at least %(min_expires)s seconds), with their messages and
 -- bindings.
 WITH expired_message AS (
-    DELETE FROM {schema}.message
+    DELETE FROM {schema}.message_store
     WHERE expires_at <= coalesce(%(now)s::timestamptz, now())
       AND (lease IS NULL OR next_iteration <= coalesce(%(now)s::timestamptz, now()))
     RETURNING id
@@ -659,7 +670,7 @@ unbound AS (
     RETURNING b.queue
 ),
 emptied AS (
-    DELETE FROM {schema}.message AS m
+    DELETE FROM {schema}.message_store AS m
     USING expired_queue AS q
     WHERE m.queue = q.name
     RETURNING m.id
@@ -669,6 +680,14 @@ SELECT
     (SELECT count(*) FROM expired_queue) AS expired_queues,
     (SELECT count(*) FROM unbound) AS bindings,
     (SELECT count(*) FROM emptied) AS queue_messages;
+
+-- name: rotate :one
+-- One step of the storage's rotation, by whichever consumer calls first (migration
+-- 0012 says what a step does). Runs as the schema's owner.
+SELECT rotated, moved, emptied, dropped
+FROM {schema}.rotate(
+    %(channel)s, %(max_age)s, %(min_age)s, %(dead_limit)s, %(batch)s, %(max_generations)s
+);
 
 -- name: declare_queue :one
 INSERT INTO {schema}.queue (name, expires, message_ttl, max_priority)
@@ -687,7 +706,7 @@ RETURNING name;
 
 -- name: queue_exists :one
 SELECT EXISTS (SELECT 1 FROM {schema}.queue WHERE name = %(queue)s)
-    OR EXISTS (SELECT 1 FROM {schema}.message WHERE queue = %(queue)s);
+    OR EXISTS (SELECT 1 FROM {schema}.message_store WHERE queue = %(queue)s);
 
 -- name: delete_queue :one
 -- The queue, its bindings and every message, those consumers hold too (as RabbitMQ's
@@ -698,7 +717,7 @@ WITH used AS MATERIALIZED (
     SELECT CASE WHEN %(if_unused)s::boolean THEN
         EXISTS (
             SELECT 1
-            FROM {schema}.message
+            FROM {schema}.message_store
             WHERE queue = %(queue)s
               AND lease IS NOT NULL
               AND next_iteration > coalesce(%(now)s::timestamptz, now())
@@ -713,7 +732,7 @@ unbound AS (
     RETURNING queue
 ),
 emptied AS (
-    DELETE FROM {schema}.message
+    DELETE FROM {schema}.message_store
     WHERE queue = %(queue)s
       AND NOT (SELECT used FROM used)
     RETURNING id
@@ -729,14 +748,14 @@ SELECT CASE WHEN NOT (SELECT used FROM used) THEN (SELECT count(*) FROM emptied)
 -- name: size :one
 -- Messages waiting in the queue: ready or delayed, not held by a live lease.
 SELECT count(*)
-FROM {schema}.message
+FROM {schema}.message_store
 WHERE queue = %(queue)s
   AND (lease IS NULL OR next_iteration <= coalesce(%(now)s::timestamptz, now()));
 
 -- name: purge :one
 -- Removes waiting messages; messages held by a live lease stay with their consumer.
 WITH purged AS (
-    DELETE FROM {schema}.message
+    DELETE FROM {schema}.message_store
     WHERE queue = %(queue)s
       AND (lease IS NULL OR next_iteration <= coalesce(%(now)s::timestamptz, now()))
     RETURNING id
@@ -796,7 +815,7 @@ WITH revived AS (
     WHERE d.id = ANY(%(ids)s::bigint[])
       AND NOT EXISTS (
           SELECT 1
-          FROM {schema}.message AS m
+          FROM {schema}.message_store AS m
           WHERE m.queue = d.queue
             AND m.dedup_key = d.dedup_key
       )
@@ -804,7 +823,7 @@ WITH revived AS (
               d.content_encoding, d.headers, d.properties
 ),
 inserted AS (
-    INSERT INTO {schema}.message (
+    INSERT INTO {schema}.message_store (
         queue, priority, dedup_key, body, content_type, content_encoding, headers, properties
     )
     SELECT queue, priority, dedup_key, body, content_type, content_encoding, headers, properties
@@ -838,7 +857,7 @@ WITH live AS (
         min(created_at) FILTER (
             WHERE NOT delayed AND (lease IS NULL OR next_iteration <= now())
         ) AS oldest_ready
-    FROM {schema}.message
+    FROM {schema}.message_store
     GROUP BY queue
 ),
 dead AS (
@@ -914,14 +933,14 @@ WHERE name = ANY(%(queues)s::text[])
 -- ETA, into queues without a TTL, whose defaults (visible now, not delayed) are
 -- right. A taken dedup key fails the whole COPY (unique_violation); the caller then
 -- loads the same rows through the staging table, which skips taken keys.
-COPY {schema}.message (
+COPY {schema}.message_store (
     queue, priority, expires_at, dedup_key,
     body, content_type, content_encoding, headers, properties
 ) FROM STDIN;
 
 -- name: copy_direct_binary :none
 -- The same in binary (text bytes are json's binary form as well).
-COPY {schema}.message (
+COPY {schema}.message_store (
     queue, priority, expires_at, dedup_key,
     body, content_type, content_encoding, headers, properties
 ) FROM STDIN WITH (FORMAT BINARY);
@@ -936,7 +955,7 @@ FROM unnest(%(queues)s::text[]) AS ready (queue);
 -- name: publish_staged :many
 -- What COPY staged, into the queue; COPY itself cannot skip dedup-key conflicts.
 WITH inserted AS (
-    INSERT INTO {schema}.message (
+    INSERT INTO {schema}.message_store (
         queue, priority, delayed, next_iteration, expires_at, dedup_key,
         body, content_type, content_encoding, headers, properties
     )
@@ -991,7 +1010,7 @@ SELECT EXISTS (
     FROM pg_catalog.pg_class AS c
     JOIN pg_catalog.pg_namespace AS n ON n.oid = c.relnamespace
     WHERE n.nspname = %(schema)s
-      AND c.relname = 'message'
+      AND c.relname = 'message_store'
 );
 
 -- name: writable :one

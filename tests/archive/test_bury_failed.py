@@ -9,7 +9,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 from datetime import datetime, timedelta
+from typing import Any
 
+import plans
 import psycopg
 import pytest
 from psycopg import sql
@@ -61,7 +63,7 @@ def failure(id: int, lease: int, **fields: object) -> Failure:
 
 
 def message_ids(db: psycopg.Connection, schema: str) -> list[int]:
-    query = sql.SQL("SELECT id FROM {} ORDER BY id").format(sql.Identifier(schema, "message"))
+    query = sql.SQL("SELECT id FROM {} ORDER BY id").format(sql.Identifier(schema, "message_store"))
     return [row[0] for row in db.execute(query)]
 
 
@@ -200,29 +202,24 @@ def test_archive_statements_reach_rows_by_index(db, schema, broker):
     )
     broker.publish_many([replace(STORED, dedup_key=None)] * 20000)
     db.execute(sql.SQL("ANALYZE {}").format(table))
-    db.execute(sql.SQL("ANALYZE {}").format(sql.Identifier(schema, "message")))
+    db.execute(sql.SQL("ANALYZE {}").format(sql.Identifier(schema, "message_store")))
 
-    def plan(name: str, params: dict[str, object]) -> list[dict[str, object]]:
+    def plan(name: str, params: dict[str, object]) -> list[dict[str, Any]]:
         query = sql.SQL("EXPLAIN (FORMAT JSON) ") + queries(schema)[name]
         row = db.execute(query, params).fetchone()
         assert row is not None
-        found, nodes = [row[0][0]["Plan"]], []
-        while found:
-            node = found.pop()
-            nodes.append(node)
-            found.extend(node.get("Plans", []))
-        return nodes
+        return list(plans.nodes(row[0][0]["Plan"]))
 
     bury = failure(123, 42, move=True).params()
     listing = {"queue": None, "reason": "failed", "limit": 50}
     trim = {"queue": None, "reason": None, "older_than": 29 * 86400.0, "now": None}
     by_age = {"dead_letter_reason_idx", "dead_letter_died_idx"}
     for name, params, indexes in [
-        ("bury_failed", bury, {"message_pkey"}),
+        ("bury_failed", bury, {"message_store_pkey"}),
         # the oldest first: by reason, or in died_at order until 50 of the reason
         ("dead_letters_where", listing, by_age),
         ("purge_dead_where", trim, by_age),
     ]:
         nodes = plan(name, params)
-        assert [n for n in nodes if n["Node Type"] == "Seq Scan"] == [], name
-        assert indexes & {n.get("Index Name") for n in nodes}, name
+        assert plans.seq_scans(db, nodes) == [], name
+        assert indexes & plans.indexes(db, nodes), name

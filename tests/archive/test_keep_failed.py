@@ -55,7 +55,7 @@ def stored(db: psycopg.Connection, schema: str) -> dict[str, dict[str, Any]]:
         query = sql.SQL(
             "SELECT id, queue, priority, body, content_type, content_encoding, "
             "headers::text AS headers, properties::text AS properties FROM {} ORDER BY id"
-        ).format(sql.Identifier(schema, "message"))
+        ).format(sql.Identifier(schema, "message_store"))
         return {json.loads(row["headers"])["id"]: row for row in cur.execute(query)}
 
 
@@ -123,7 +123,7 @@ def test_failed_tasks_are_kept_whatever_settles_them_and_run_again_with_their_id
     assert sorted(letters) == sorted(r.id for r in everything)
     assert {d.reason for d in letters.values()} == {"failed"}
     # each message is settled once (the acks that follow a failure come in batches)
-    wait_for(lambda: table(db, schema, "message") == [], 30, "every message settled")
+    wait_for(lambda: table(db, schema, "message_store") == [], 30, "every message settled")
     for result in (early, late, rejected, crashed, slow):
         letter = letters[result.id]
         assert (letter.id, letter.attempts) == (sent[result.id]["id"], 1)
@@ -220,7 +220,7 @@ def test_failed_tasks_are_not_kept_without_the_setting(client, broker, spawn, db
     spawn("off", concurrency=1, keep_failed=0)
 
     wait_for(lambda: client.AsyncResult(after.id).state == "SUCCESS", 60, "the last task")
-    wait_for(lambda: table(db, schema, "message") == [], 30, "every message settled")
+    wait_for(lambda: table(db, schema, "message_store") == [], 30, "every message settled")
     assert client.AsyncResult(failing.id).state == "FAILURE"
     assert client.AsyncResult(failing_late.id).state == "FAILURE"
     assert broker.dead_letters(limit=None) == []

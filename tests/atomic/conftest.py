@@ -78,5 +78,5 @@ def messages(db: psycopg.Connection, schema: str) -> list[dict[str, Any]]:
         return cur.execute(
             sql.SQL(
                 "SELECT id, headers->>'task' AS task, body, lease, attempts FROM {} ORDER BY id"
-            ).format(sql.Identifier(schema, "message"))
+            ).format(sql.Identifier(schema, "message_store"))
         ).fetchall()

@@ -145,7 +145,7 @@ def test_lost_lease_rolls_back(spawn, client, db, tables):
     db.execute(
         sql.SQL(
             "UPDATE {} SET lease = lease + 1, next_iteration = now() - interval '1 second'"
-        ).format(sql.Identifier(tables, "message"))
+        ).format(sql.Identifier(tables, "message_store"))
     )
     wait_for(lambda: attempts(db, tables)["once"] >= 2, 60, "a second delivery", worker)
     open_gate(db, tables, "g")
@@ -168,7 +168,7 @@ def test_long_task_keeps_its_lease(spawn, client, db, tables):
     (lease,) = {m["lease"] for m in messages(db, tables)}
     lease_end = sql.SQL(
         "SELECT next_iteration > %s::timestamptz + interval '4 seconds' FROM {} WHERE lease = %s"
-    ).format(sql.Identifier(tables, "message"))
+    ).format(sql.Identifier(tables, "message_store"))
     started = db.execute("SELECT now()").fetchone()[0]
     # the same lease, renewed until it ends four visibility timeouts after the start
     wait_for(

@@ -11,6 +11,7 @@ import threading
 from collections.abc import Callable, Iterator
 from datetime import datetime
 
+import plans
 import psycopg
 import pytest
 from psycopg import sql
@@ -47,7 +48,9 @@ def app_conn(dsn: str) -> Iterator[psycopg.Connection]:
 
 
 def _count(db: psycopg.Connection, schema: str) -> int:
-    row = db.execute(sql.SQL("SELECT count(*) FROM {}.message").format(sql.Identifier(schema)))
+    row = db.execute(
+        sql.SQL("SELECT count(*) FROM {}.message_store").format(sql.Identifier(schema))
+    )
     return int(row.fetchone()[0])  # type: ignore[index]
 
 
@@ -224,7 +227,7 @@ def test_a_signal_interrupts_a_settle_that_waits(store, fence, begin, db, schema
     _work(transaction.handle, schema)
     backend = transaction.handle.info.backend_pid
     interrupted = threading.Event()
-    message = sql.SQL("SELECT 1 FROM {}.message WHERE id = %s FOR UPDATE").format(
+    message = sql.SQL("SELECT 1 FROM {}.message_store WHERE id = %s FOR UPDATE").format(
         sql.Identifier(schema)
     )
     with psycopg.connect(dsn) as locker:
@@ -295,7 +298,7 @@ def test_ack_in_transaction_and_delivery_holder_use_the_primary_key(store, db, s
     store.publish_many(
         [Outgoing(queue="q", body=b"x", headers="{}", properties="{}") for _ in range(5000)]
     )
-    db.execute(sql.SQL("ANALYZE {}.message").format(sql.Identifier(schema)))
+    db.execute(sql.SQL("ANALYZE {}.message_store").format(sql.Identifier(schema)))
     for name, params in [
         ("ack_in_transaction", {"id": 42, "lease": 7}),
         ("delivery_holder", {"id": 42, "now": None}),
@@ -303,8 +306,9 @@ def test_ack_in_transaction_and_delivery_holder_use_the_primary_key(store, db, s
         query = sql.SQL("EXPLAIN (FORMAT JSON) ") + queries(schema)[name]
         with db.transaction(force_rollback=True):
             [[plan]] = db.execute(query, params).fetchone()  # type: ignore[misc]
-        text = str(plan)
-        assert "Seq Scan" not in text and "message_pkey" in text, (name, plan)
+        found = list(plans.nodes(plan["Plan"]))
+        assert plans.seq_scans(db, found) == [], (name, plan)
+        assert "message_store_pkey" in plans.indexes(db, found), (name, plan)
 
 
 # -- the consumer's ack after the task's commit ------------------------------------------

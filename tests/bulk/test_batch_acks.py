@@ -13,7 +13,7 @@ from kombu_pgqueue.bulk import publish_many
 
 
 def _rows(db, schema: str) -> int:
-    query = sql.SQL("SELECT count(*) FROM {}.message").format(sql.Identifier(schema))
+    query = sql.SQL("SELECT count(*) FROM {}.message_store").format(sql.Identifier(schema))
     return db.execute(query).fetchone()[0]
 
 
@@ -57,7 +57,9 @@ def test_a_stale_batched_ack_does_not_delete_a_newer_delivery(make_connection, s
     # the lease lapses and another consumer claims the message
     ident = sql.Identifier(schema)
     db.execute(
-        sql.SQL("UPDATE {}.message SET next_iteration = now() - interval '1 second'").format(ident)
+        sql.SQL("UPDATE {}.message_store SET next_iteration = now() - interval '1 second'").format(
+            ident
+        )
     )
     other = store.claim("stale", 1, lease=42)
     assert len(other) == 1
@@ -82,7 +84,7 @@ def test_a_count_after_an_ack_waits_for_the_batch_on_its_way(make_connection, db
         counted.append(channel.queue_declare("racing", passive=True).message_count)
         done.set()
 
-    row = sql.SQL("SELECT 1 FROM {}.message FOR UPDATE").format(sql.Identifier(schema))
+    row = sql.SQL("SELECT 1 FROM {}.message_store FOR UPDATE").format(sql.Identifier(schema))
     blocked = "SELECT count(*) > 0 FROM pg_stat_activity WHERE %s = ANY(pg_blocking_pids(pid))"
     with psycopg.connect(dsn) as locker:
         locker.execute(row)

@@ -48,7 +48,9 @@ def test_a_taken_key_is_skipped_by_the_direct_copy(store, db):
     assert store.publish_rows(batch) == 4  # k1 and k3 were waiting
     assert store.size("mix") == 6
     keys = db.execute(
-        sql.SQL("SELECT dedup_key FROM {}.message ORDER BY id").format(sql.Identifier(store.schema))
+        sql.SQL("SELECT dedup_key FROM {}.message_store ORDER BY id").format(
+            sql.Identifier(store.schema)
+        )
     ).fetchall()
     assert [k for (k,) in keys] == ["k1", "k3", "k0", "k2", "k4", "k5"]
 
@@ -59,7 +61,7 @@ def test_eta_rows_and_ttl_queues_take_the_staging_way(store, db, later, connecti
     due = later(3600)
     rows = [_row("short", None), _row("plain", None), _row("plain", None, eta=due)]
     assert store.publish_rows(rows) == 3
-    query = "SELECT queue, delayed, next_iteration, expires_at IS NOT NULL FROM {}.message"
+    query = "SELECT queue, delayed, next_iteration, expires_at IS NOT NULL FROM {}.message_store"
     found = db.execute(
         sql.SQL(query + " ORDER BY queue, delayed").format(sql.Identifier(store.schema))
     ).fetchall()

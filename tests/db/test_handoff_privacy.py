@@ -214,7 +214,7 @@ def test_a_consumer_of_the_previous_version_is_never_handed_a_sealed_message(
     assert [p[:2] for p in heard] == ["r:"]
     row = db.execute(
         sql.SQL("SELECT lease, attempts FROM {} WHERE queue = %s").format(
-            sql.Identifier(schema, "message")
+            sql.Identifier(schema, "message_store")
         ),
         [QUEUE],
     ).fetchone()

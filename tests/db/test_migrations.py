@@ -192,14 +192,15 @@ def test_a_role_that_may_not_upgrade_the_schema_is_told_its_owner(
     assert "\n" not in message and "\n" not in repr(message)  # one line, no LINE/^ excerpt
 
 
-def test_the_message_table_is_set_up_for_churn(
+def test_every_generation_of_the_message_storage_is_set_up_for_churn(
     dsn: str, schema: str, db: psycopg.Connection
 ) -> None:
     migrate(dsn, schema)
 
     row = db.execute(
-        "SELECT reloptions FROM pg_class WHERE oid = %s::regclass",
-        (f"{sql.Identifier(schema).as_string(db)}.message",),
+        "SELECT c.reloptions FROM pg_class AS c JOIN pg_inherits AS i ON i.inhrelid = c.oid"
+        " WHERE i.inhparent = %s::regclass ORDER BY c.relname DESC LIMIT 1",
+        (f"{sql.Identifier(schema).as_string(db)}.message_store",),
     ).fetchone()
 
     assert row is not None
@@ -213,8 +214,8 @@ def test_the_message_table_is_set_up_for_churn(
 def _update_counts(db: psycopg.Connection, schema: str) -> tuple[int, int]:
     db.execute("SELECT pg_stat_clear_snapshot()")
     row = db.execute(
-        "SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_user_tables"
-        " WHERE schemaname = %s AND relname = 'message'",
+        "SELECT sum(n_tup_upd), sum(n_tup_hot_upd) FROM pg_stat_user_tables"
+        " WHERE schemaname = %s AND relname LIKE 'message\\_store\\_%%'",
         (schema,),
     ).fetchone()
     assert row is not None

@@ -128,7 +128,7 @@ def test_claim_skips_locked_rows(store: Store, db: psycopg.Connection, schema: s
 
     with db.transaction():
         db.execute(
-            sql.SQL("SELECT id FROM {}.message WHERE id = %s FOR UPDATE").format(
+            sql.SQL("SELECT id FROM {}.message_store WHERE id = %s FOR UPDATE").format(
                 sql.Identifier(schema)
             ),
             (ids[0],),

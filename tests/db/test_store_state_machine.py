@@ -49,7 +49,7 @@ def _machine(store: Store, db: psycopg.Connection, schema: str) -> type[RuleBase
     class StoreMachine(RuleBasedStateMachine):
         def __init__(self) -> None:
             super().__init__()
-            db.execute(sql.SQL("DELETE FROM {}.message").format(ident))
+            db.execute(sql.SQL("DELETE FROM {}.message_store").format(ident))
             db.execute(sql.SQL("DELETE FROM {}.dead_letter").format(ident))
             row = db.execute("SELECT now() + interval '10 minutes'").fetchone()
             assert row is not None
@@ -205,7 +205,9 @@ def _machine(store: Store, db: psycopg.Connection, schema: str) -> type[RuleBase
         @invariant()
         def attempts_never_decrease(self) -> None:
             found = dict(
-                db.execute(sql.SQL("SELECT id, attempts FROM {}.message").format(ident)).fetchall()
+                db.execute(
+                    sql.SQL("SELECT id, attempts FROM {}.message_store").format(ident)
+                ).fetchall()
             )
             assert set(found) == set(self.messages)
             for message_id, attempts in found.items():
@@ -223,7 +225,9 @@ def _machine(store: Store, db: psycopg.Connection, schema: str) -> type[RuleBase
                         self.acked.add(delivered.id)
                 self.now += LEASE * 2
             store.sweep(now=self.now)
-            left = db.execute(sql.SQL("SELECT count(*) FROM {}.message").format(ident)).fetchone()
+            left = db.execute(
+                sql.SQL("SELECT count(*) FROM {}.message_store").format(ident)
+            ).fetchone()
             assert left == (0,)
             dead = {d.id for d in store.dead_letters(limit=10_000)}
             assert not (dead & self.acked)

@@ -123,7 +123,7 @@ def ship(app: Celery, dsn: str, schema: str) -> Iterator[Any]:
 @pytest.fixture
 def messages(db: psycopg.Connection, schema: str) -> Callable[[], list[str]]:
     """The argsrepr of every message row, as another session sees them."""
-    query = sql.SQL("SELECT headers->>'argsrepr' FROM {}.message ORDER BY id")
+    query = sql.SQL("SELECT headers->>'argsrepr' FROM {}.message_store ORDER BY id")
 
     def messages() -> list[str]:
         return [r for (r,) in db.execute(query.format(sql.Identifier(schema))).fetchall()]
@@ -154,7 +154,7 @@ def test_commit_runs_the_task_after_the_order_is_committed(kind, dsn, schema, sh
             results = await enqueue(handle, ship.s(1))
             assert messages() == []
             # the transaction's own session sees the row
-            table = sql.Identifier(schema, "message").as_string(None)
+            table = sql.Identifier(schema, "message_store").as_string(None)
             own = await handle.execute(text(f"SELECT count(*) FROM {table}"))  # noqa: S608
             assert own.scalar() == 1
         return results
@@ -236,7 +236,7 @@ def test_the_loop_runs_while_the_insert_waits(dsn, schema, app, messages):
             locker = await psycopg.AsyncConnection.connect(dsn)
             try:
                 # SHARE blocks INSERTs into the message table, not reads
-                table = sql.Identifier(schema, "message")
+                table = sql.Identifier(schema, "message_store")
                 await locker.execute(sql.SQL("LOCK TABLE {} IN SHARE MODE").format(table))
                 async with _handle(engine, "session") as session:
                     pid = (await session.execute(text("SELECT pg_backend_pid()"))).scalar()
@@ -321,7 +321,7 @@ async def _crash_producer(dsn: str, schema: str) -> None:
         await _insert_order(session, schema, 7)
         await enqueue(session, app.signature("eco.ship", args=[7]))
         orders = sql.Identifier(schema, "orders").as_string(None)
-        message = sql.Identifier(schema, "message").as_string(None)
+        message = sql.Identifier(schema, "message_store").as_string(None)
         query = f"SELECT pg_backend_pid(), (SELECT count(*) FROM {orders}), count(*) FROM {message}"  # noqa: S608, E501
         row = await session.execute(text(query))
         print("published", *row.one(), flush=True)

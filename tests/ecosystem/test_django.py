@@ -138,7 +138,7 @@ def ship(app: Celery, dsn: str, Order: Any) -> Iterator[Any]:  # noqa: N803
 @pytest.fixture
 def messages(db: psycopg.Connection, schema: str) -> Callable[[], list[str]]:
     """The argsrepr of every message row, as another session sees them."""
-    query = sql.SQL("SELECT headers->>'argsrepr' FROM {}.message ORDER BY id")
+    query = sql.SQL("SELECT headers->>'argsrepr' FROM {}.message_store ORDER BY id")
 
     def messages() -> list[str]:
         return [r for (r,) in db.execute(query.format(sql.Identifier(schema))).fetchall()]
@@ -336,7 +336,9 @@ def _crash_producer(dsn: str, schema: str, table: str, elsewhere: str) -> None:
         order = order_model.objects.create(item="doomed")
         app.send_task("eco.ship", args=[order.pk])
         with conn.cursor() as cur:
-            cur.execute(sql.SQL("SELECT count(*) FROM {}.message").format(sql.Identifier(schema)))
+            cur.execute(
+                sql.SQL("SELECT count(*) FROM {}.message_store").format(sql.Identifier(schema))
+            )
             (seen_messages,) = cur.fetchone()
         seen_orders = order_model.objects.count()
         pid = conn.connection.info.backend_pid

@@ -42,7 +42,7 @@ def size(cluster: Cluster, queue: str = "q") -> int:
     """Messages waiting in ``queue`` of :data:`SCHEMA` on ``cluster``."""
     with cluster.connect() as conn:
         row = conn.execute(
-            sql.SQL("SELECT count(*) FROM {}.message WHERE queue = %s").format(
+            sql.SQL("SELECT count(*) FROM {}.message_store WHERE queue = %s").format(
                 sql.Identifier(SCHEMA)
             ),
             [queue],

@@ -25,5 +25,7 @@ def test_a_list_of_a_dead_server_and_the_plugins_url_publishes_to_the_live_one(
         app.send_task("anything", args=(1,), retry_policy={"max_retries": 3})
 
     with psycopg.connect(pgqueue_dsn) as conn:
-        query = sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(pgqueue_schema, "message"))
+        query = sql.SQL("SELECT count(*) FROM {}").format(
+            sql.Identifier(pgqueue_schema, "message_store")
+        )
         assert conn.execute(query).fetchone() == (1,)

@@ -15,7 +15,7 @@ import kombu_pgqueue
 @pytest.fixture
 def app_schema(db: psycopg.Connection, schema: str) -> str:
     """``schema`` holding the application's own ``message`` table (one row)."""
-    table = sql.Identifier(schema, "message")
+    table = sql.Identifier(schema, "message_store")
     db.execute(sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(schema)))
     db.execute(sql.SQL("CREATE TABLE {} (id int, body text)").format(table))
     db.execute(sql.SQL("INSERT INTO {} VALUES (1, 'the application''s')").format(table))
@@ -36,7 +36,7 @@ def test_migrate_into_an_application_schema_names_the_collision(
         kombu_pgqueue.migrate(dsn, app_schema)
 
     _says_what_collides(raised.value, app_schema)
-    rows = db.execute(sql.SQL("SELECT * FROM {}.message").format(sql.Identifier(app_schema)))
+    rows = db.execute(sql.SQL("SELECT * FROM {}.message_store").format(sql.Identifier(app_schema)))
     assert rows.fetchall() == [(1, "the application's")]
 
 

@@ -121,7 +121,7 @@ def _left(db: psycopg.Connection, schema: str, queue: str) -> int:
         _one(
             db,
             sql.SQL("SELECT count(*) FROM {} WHERE queue = %s").format(
-                sql.Identifier(schema, "message")
+                sql.Identifier(schema, "message_store")
             ),
             queue,
         )
@@ -260,7 +260,7 @@ def test_odd_headers_priorities_and_huge_properties_are_stored_or_refused_clearl
         assert _left(db, schema, queue) == 1  # only the sentinel was stored
     stored_priorities = db.execute(
         sql.SQL("SELECT priority FROM {} WHERE queue = %s").format(
-            sql.Identifier(schema, "message")
+            sql.Identifier(schema, "message_store")
         ),
         (queue,),
     ).fetchall()
@@ -500,7 +500,7 @@ def test_celery_worker_survives_bodies_invalid_for_their_content_type(
         left = _one(
             db,
             sql.SQL("SELECT count(*) FROM {} WHERE headers->>'fuzz-marker' = %s").format(
-                sql.Identifier(schema, "message")
+                sql.Identifier(schema, "message_store")
             ),
             marker,
         )

@@ -12,6 +12,7 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
+import plans
 import psycopg
 import pytest
 from psycopg import sql
@@ -22,20 +23,31 @@ from kombu_pgqueue._sql import queries
 
 BROKER_TABLES = {"message", "dead_letter"}
 
+
+def _broker_table(name: str | None) -> bool:
+    """A table of messages: the previous version's, a generation of message_store (not
+    the one attached ahead, 2, which is empty: its scan reads no page), or the dead
+    letters."""
+    if not name or name == "message_store_2":
+        return False
+    return name in BROKER_TABLES or name.startswith("message_store")
+
+
 LOAD = [
     # "bulk" holds most rows, so a planner that likes scans would pick one for it
-    "INSERT INTO {s}.message (queue, priority, body, headers, properties) "
+    "INSERT INTO {s}.message_store (queue, priority, body, headers, properties) "
     "SELECT CASE WHEN i <= 55000 THEN 'bulk' ELSE 'q' || (i %% 40) END, (i %% 3) * 4, "
     "'x', '{{}}', '{{}}' FROM generate_series(1, 60000) AS i",
-    "INSERT INTO {s}.message (queue, delayed, next_iteration, body, headers, properties) "
+    "INSERT INTO {s}.message_store (queue, delayed, next_iteration, body, headers, properties) "
     "SELECT 'q' || (i %% 7), true, now() + make_interval(secs => i), 'x', '{{}}', '{{}}' "
     "FROM generate_series(1, 2000) AS i",
-    "UPDATE {s}.message SET lease = 1, attempts = 1, next_iteration = now() + interval '1 hour' "
-    "WHERE id IN (SELECT id FROM {s}.message WHERE NOT delayed ORDER BY id LIMIT 50)",
+    "UPDATE {s}.message_store"
+    " SET lease = 1, attempts = 1, next_iteration = now() + interval '1 hour' "
+    "WHERE id IN (SELECT id FROM {s}.message_store WHERE NOT delayed ORDER BY id LIMIT 50)",
     "INSERT INTO {s}.dead_letter (id, queue, priority, attempts, reason, created_at, body, "
     "headers, properties) SELECT -i, 'q' || (i %% 5), 0, 5, 'rejected', now(), 'x', '{{}}', "
     "'{{}}' FROM generate_series(1, 3000) AS i",
-    "VACUUM ANALYZE {s}.message",
+    "VACUUM ANALYZE {s}.message_store",
     "VACUUM ANALYZE {s}.dead_letter",
 ]
 
@@ -54,29 +66,19 @@ def loaded(dsn: str) -> Iterator[tuple[psycopg.Connection, str]]:
             conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(ident))
 
 
-def _nodes(plan: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    yield plan
-    for child in plan.get("Plans", []):
-        yield from _nodes(child)
-
-
 def _explain(conn: psycopg.Connection, schema: str, name: str, cap: int) -> list[dict[str, Any]]:
     query = sql.SQL("EXPLAIN (FORMAT JSON) ") + queries(schema)[name]
     row = conn.execute(query, {"schema": schema, "cap": cap, "now": None}).fetchone()
     assert row is not None
-    return list(_nodes(row[0][0]["Plan"]))
+    return list(plans.nodes(row[0][0]["Plan"]))
 
 
 def _scanned(nodes: list[dict[str, Any]]) -> list[str]:
     return [
         n["Relation Name"]
         for n in nodes
-        if n["Node Type"] in ("Seq Scan", "Sample Scan") and n.get("Relation Name") in BROKER_TABLES
+        if n["Node Type"] in ("Seq Scan", "Sample Scan") and _broker_table(n.get("Relation Name"))
     ]
-
-
-def _indexes(nodes: list[dict[str, Any]]) -> set[str]:
-    return {n["Index Name"] for n in nodes if "Index Name" in n}
 
 
 @pytest.mark.parametrize("cap", [DEFAULT_CAP, 100])
@@ -86,9 +88,10 @@ def test_queue_depths_walks_indexes_only(loaded: tuple[psycopg.Connection, str],
     nodes = _explain(conn, schema, "queue_depths", cap)
 
     assert _scanned(nodes) == []
-    assert {"message_ready_idx", "message_due_idx", "dead_letter_queue_idx"} <= _indexes(nodes)
+    indexes = plans.indexes(conn, nodes)
+    assert {"message_store_ready_idx", "message_store_due_idx", "dead_letter_queue_idx"} <= indexes
     # the oldest-ready lookup in id order must not walk the primary key past other queues
-    assert "message_pkey" not in _indexes(nodes)
+    assert "message_store_pkey" not in indexes
     # and the cost estimate stays below jit_above_cost's default: JIT would cost seconds
     assert nodes[0]["Total Cost"] < 100_000
 
@@ -98,7 +101,7 @@ def test_table_sizes_reads_only_the_catalog(loaded: tuple[psycopg.Connection, st
 
     nodes = _explain(conn, schema, "table_sizes", DEFAULT_CAP)
 
-    assert not {n.get("Relation Name") for n in nodes} & BROKER_TABLES
+    assert not [n for n in nodes if _broker_table(n.get("Relation Name"))]
 
 
 def test_queue_depths_on_the_loaded_table(loaded: tuple[psycopg.Connection, str]) -> None:

@@ -27,7 +27,7 @@ def oldest_ready_age(db: psycopg.Connection, schema: str, queue: str, now: objec
         sql.SQL(
             "SELECT extract(EPOCH FROM %s::timestamptz - min(created_at))::float8 FROM {} "
             "WHERE queue = %s AND NOT delayed AND lease IS NULL"
-        ).format(sql.Identifier(schema, "message")),
+        ).format(sql.Identifier(schema, "message_store")),
         (now, queue),
     ).fetchone()
     assert row is not None
@@ -98,11 +98,13 @@ def analyzed(db: psycopg.Connection, schema: str, statements: list[str]) -> None
     for statement in statements:
         db.execute(sql.SQL(statement).format(s=sql.Identifier(schema)))
     db.execute("SELECT pg_stat_force_next_flush()")
-    db.execute(sql.SQL("ANALYZE {s}.message, {s}.dead_letter").format(s=sql.Identifier(schema)))
+    db.execute(
+        sql.SQL("ANALYZE {s}.message_store, {s}.dead_letter").format(s=sql.Identifier(schema))
+    )
 
 
 INSERT = (
-    "INSERT INTO {{s}}.message (queue, delayed, next_iteration, body, headers, properties) "
+    "INSERT INTO {{s}}.message_store (queue, delayed, next_iteration, body, headers, properties) "
     "SELECT '{queue}', {delayed}, now() + interval '{ahead}', 'x', '{{{{}}}}', '{{{{}}}}' "
     "FROM generate_series(1, {n})"
 )
@@ -174,7 +176,7 @@ def test_cap_zero_reports_every_nonempty_count_as_an_estimate(store):
 
 def test_table_sizes(store, monitor, db, schema, later):
     store.publish_many([message("sized") for _ in range(10)])
-    db.execute(sql.SQL("VACUUM ANALYZE {}").format(sql.Identifier(schema, "message")))
+    db.execute(sql.SQL("VACUUM ANALYZE {}").format(sql.Identifier(schema, "message_store")))
 
     tables = {t.table: t for t in monitor.table_sizes(now=later(2))}
 

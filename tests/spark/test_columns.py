@@ -153,7 +153,7 @@ def test_enqueue_by_columns_writes_factory_messages_and_leaves_bad_rows(
         assert (summary.rows, summary.bad) == (8, 1)
         assert (summary.enqueued, summary.skipped) == ((7, 0) if run == 0 else (0, 7))
         assert [(b.index, b.reason) for b in summary.bad_rows] == [(3, "null in column 'url'")]
-    query = sql.SQL("SELECT dedup_key, body, headers::text, properties::text FROM {}.message")
+    query = sql.SQL("SELECT dedup_key, body, headers::text, properties::text FROM {}.message_store")
     stored = db.execute(query.format(sql.Identifier(schema))).fetchall()
     assert len(stored) == 7
     factory = TaskMessageFactory(app, TASK)

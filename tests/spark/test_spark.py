@@ -42,7 +42,7 @@ def _messages(db: psycopg.Connection, schema: str) -> list[dict[str, Any]]:
     query = sql.SQL(
         "SELECT queue, priority, delayed, next_iteration, expires_at, dedup_key, body,"
         " content_type, content_encoding, headers::text, properties::text"
-        " FROM {}.message ORDER BY id"
+        " FROM {}.message_store ORDER BY id"
     )
     return cur.execute(query.format(sql.Identifier(schema))).fetchall()
 
@@ -147,7 +147,7 @@ def test_a_real_worker_runs_each_row_once_with_its_arguments(
             transfer=transfer,
         )
         assert (summary.enqueued, summary.skipped, summary.bad) == (rows, 0, 0)
-        count = sql.SQL("SELECT count(*) FROM {}.message").format(sql.Identifier(schema))
+        count = sql.SQL("SELECT count(*) FROM {}.message_store").format(sql.Identifier(schema))
         wait_for(
             lambda: len(calls) >= rows and db.execute(count).fetchone()[0] == 0,
             60,
@@ -174,7 +174,7 @@ def test_rerun_with_a_key_column_enqueues_nothing_new(spark, dsn, schema, db) ->
         df, "spark_test.other", args=["url"], dedup_key="url", dsn=dsn, schema=schema
     )
     assert other.enqueued == 2000
-    count = sql.SQL("SELECT count(*) FROM {}.message").format(sql.Identifier(schema))
+    count = sql.SQL("SELECT count(*) FROM {}.message_store").format(sql.Identifier(schema))
     assert db.execute(count).fetchone()[0] == 4000
 
 
@@ -216,16 +216,16 @@ def test_a_partition_failing_after_its_commit_is_retried_without_duplicates(
     assert summary.partitions_retried == {1: 1}
     # the first attempt's rows are in; the retry found them waiting
     assert (summary.rows, summary.enqueued, summary.skipped) == (400, 300, 100)
-    count = sql.SQL("SELECT count(*), count(DISTINCT dedup_key) FROM {}.message")
+    count = sql.SQL("SELECT count(*), count(DISTINCT dedup_key) FROM {}.message_store")
     assert db.execute(count.format(sql.Identifier(schema))).fetchone() == (400, 400)
 
 
 def test_a_partition_that_keeps_failing_is_reported_not_fatal(spark, dsn, schema, db) -> None:
     migrations.migrate(db, schema)
     db.execute(
-        sql.SQL("ALTER TABLE {}.message ADD CONSTRAINT refuse_250 CHECK (dedup_key <> {})").format(
-            sql.Identifier(schema), sql.Literal(f"{TASK}:u-250")
-        )
+        sql.SQL(
+            "ALTER TABLE {}.message_store ADD CONSTRAINT refuse_250 CHECK (dedup_key <> {})"
+        ).format(sql.Identifier(schema), sql.Literal(f"{TASK}:u-250"))
     )
     summary = enqueue_dataframe(
         _urls(spark, 400), TASK, args=["url"], dedup_key="url", dsn=dsn, schema=schema
@@ -237,7 +237,7 @@ def test_a_partition_that_keeps_failing_is_reported_not_fatal(spark, dsn, schema
     assert (failure.partition, failure.attempts) == (2, 4)
     assert failure.error.startswith("CheckViolation:") and "refuse_250" in failure.error
     assert summary.enqueued == 300  # partition 2 rolled back whole
-    count = sql.SQL("SELECT count(*) FROM {}.message").format(sql.Identifier(schema))
+    count = sql.SQL("SELECT count(*) FROM {}.message_store").format(sql.Identifier(schema))
     assert db.execute(count).fetchone()[0] == 300
 
 

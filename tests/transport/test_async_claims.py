@@ -230,7 +230,7 @@ def _locked(dsn: str, schema: str) -> Iterator[psycopg.Connection]:
     """
     holder = psycopg.connect(dsn)
     try:
-        holder.execute(f'LOCK TABLE "{schema}".message IN ACCESS EXCLUSIVE MODE')
+        holder.execute(f'LOCK TABLE "{schema}".message_store IN ACCESS EXCLUSIVE MODE')
         yield holder
         holder.rollback()
     finally:

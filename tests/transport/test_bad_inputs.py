@@ -63,7 +63,7 @@ def test_awkward_queue_and_exchange_names_work_end_to_end(
     assert store.queue_exists(name)
     assert store.exchange_type(name) == "direct"
     assert store.bindings(name) == [(name, None, name)]
-    assert _count(db, schema, "message") == 0  # the table is still there, and empty
+    assert _count(db, schema, "message_store") == 0  # the table is still there, and empty
 
 
 @pytest.mark.parametrize("name", NAMES[:6], ids=range(6))
@@ -118,7 +118,7 @@ def test_nul_in_a_name_raises_configuration_error(
         action(connection)
 
     assert isinstance(caught.value, ValueError)
-    assert _count(db, schema, "message") == 0
+    assert _count(db, schema, "message_store") == 0
 
 
 def _publish_routed(conn: Connection, routing_key: str) -> None:
@@ -151,7 +151,7 @@ def test_nul_in_a_routing_key_raises_a_pgqueue_value_error(
         action(connection)
 
     assert isinstance(caught.value, ValueError)
-    assert _count(db, schema, "message") == 0
+    assert _count(db, schema, "message_store") == 0
 
 
 def test_a_body_as_large_as_a_message_may_be_round_trips(
@@ -191,7 +191,7 @@ def test_a_message_over_what_postgresql_takes_is_refused_at_once_naming_its_size
     assert "message for queue 'huge' takes 511 MiB" in str(caught.value)
     assert "over the 511 MiB" in str(caught.value)
     assert "send a reference" in str(caught.value)
-    assert _count(db, schema, "message") == 0
+    assert _count(db, schema, "message_store") == 0
     assert connection.default_channel.store.size("huge") == 0  # and the connection works
 
 
@@ -215,7 +215,7 @@ def test_publish_with_headers_that_are_not_json_raises_message_error(
     assert isinstance(direct.value, ValueError)
     assert "json-q" in str(direct.value)
     assert isinstance(routed.value, PgQueueError)
-    assert _count(db, schema, "message") == 0
+    assert _count(db, schema, "message_store") == 0
 
 
 def test_a_property_json_cannot_hold_is_dropped_not_the_message(

@@ -45,7 +45,7 @@ def _since(before: dict[str, int], queue: str) -> dict[str, int]:
 
 def _row(db: psycopg.Connection, schema: str, queue: str) -> tuple[Any, ...] | None:
     return db.execute(
-        f'SELECT id, lease, attempts FROM "{schema}".message WHERE queue = %s',  # noqa: S608
+        f'SELECT id, lease, attempts FROM "{schema}".message_store WHERE queue = %s',  # noqa: S608
         [queue],
     ).fetchone()
 
@@ -335,7 +335,7 @@ def test_a_message_with_a_dedup_key_is_handed_off_and_a_replacement_too(
         assert [m.body for m in got] == [b"new", b"other"]
         assert _since(before, "h")["handoffs"] == 2
         rows = db.execute(
-            f'SELECT id, lease, attempts FROM "{schema}".message ORDER BY id'  # noqa: S608
+            f'SELECT id, lease, attempts FROM "{schema}".message_store ORDER BY id'  # noqa: S608
         ).fetchall()
         assert [f"{i}.{lease}" for i, lease, _ in rows] == [m.delivery_tag for m in got]
         assert [attempts for _, _, attempts in rows] == [1, 1]

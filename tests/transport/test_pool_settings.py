@@ -28,7 +28,7 @@ def _blocked_longer_than(db: psycopg.Connection, schema: str, seconds: float) ->
         "SELECT count(*) FROM pg_locks AS l JOIN pg_stat_activity AS a USING (pid) "
         "WHERE NOT l.granted AND l.relation = %s::regclass "
         "AND clock_timestamp() - a.query_start > make_interval(secs => %s)",
-        (f"{sql.Identifier(schema).as_string(db)}.message", seconds),
+        (f"{sql.Identifier(schema).as_string(db)}.message_store", seconds),
     ).fetchone()
     return bool(row and row[0])
 
@@ -42,7 +42,7 @@ def test_each_connection_keeps_its_own_statement_timeout(
     for conn in (short, long):  # the schema, the queue and each pool are there
         Producer(conn).publish({"n": 0}, routing_key="q", declare=[Queue("q")])
     lock = sql.SQL("LOCK TABLE {} IN ACCESS EXCLUSIVE MODE").format(
-        sql.Identifier(schema, "message")
+        sql.Identifier(schema, "message_store")
     )
 
     with db.transaction():  # every publish waits for this lock until the block ends

@@ -33,7 +33,7 @@ def _inserts_wait(dsn: str, schema: str) -> Iterator[None]:
     """Inserts into the message table wait until the block ends (reads do not)."""
     holder = psycopg.connect(dsn)
     try:
-        table = sql.Identifier(schema, "message")
+        table = sql.Identifier(schema, "message_store")
         holder.execute(sql.SQL("LOCK TABLE {} IN EXCLUSIVE MODE").format(table))
         yield
         holder.rollback()
@@ -77,7 +77,7 @@ def _count(event: str, queue: str = "") -> int:
 
 def _bodies(db: psycopg.Connection, schema: str, queue: str) -> list[Any]:
     query = sql.SQL("SELECT body FROM {} WHERE queue = %s ORDER BY id").format(
-        sql.Identifier(schema, "message")
+        sql.Identifier(schema, "message_store")
     )
     return [json.loads(bytes(row[0])) for row in db.execute(query, (queue,))]
 

@@ -68,7 +68,7 @@ def rows(db: psycopg.Connection, schema: str) -> Callable[..., list[tuple[Any, .
     """``rows("queue, dedup_key", "queue = %s", "q")``: message rows, ordered by id."""
 
     def rows(columns: str = "*", where: str = "true", *params: Any) -> list[tuple[Any, ...]]:
-        query = sql.SQL("SELECT {} FROM {}.message WHERE {} ORDER BY id").format(
+        query = sql.SQL("SELECT {} FROM {}.message_store WHERE {} ORDER BY id").format(
             sql.SQL(columns), sql.Identifier(schema), sql.SQL(where)
         )
         return db.execute(query, params).fetchall()

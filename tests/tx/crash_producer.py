@@ -29,7 +29,7 @@ def main() -> None:
             sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(schema, "orders"))
         ).fetchone()
         messages = conn.execute(
-            sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(schema, "message"))
+            sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(schema, "message_store"))
         ).fetchone()
         assert orders is not None and messages is not None
         print("published", conn.info.backend_pid, orders[0], messages[0], flush=True)

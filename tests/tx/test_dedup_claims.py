@@ -57,6 +57,7 @@ def test_a_key_held_before_the_upgrade_still_skips_its_duplicate(
             sql.Identifier(schema)
         )
         assert db.execute(stored).fetchall() == [(b"before the upgrade",)]
+        connection.default_channel.store.rotate()  # what a consumer does: into message_store
         assert len(_bodies(connection)) == 1  # the old one, taken: the key is free again
         _publish(connection, "k", "once it is gone")
         assert _bodies(connection) == [{"b": "once it is gone"}]
@@ -70,6 +71,7 @@ def test_the_previous_versions_publish_and_this_ones_agree_on_taken_keys(
     assert not _previous_publish(db, schema, "new", "previous version")
     assert _previous_publish(db, schema, "old", "previous version")
     _publish(connection, "old", "this version")
+    connection.default_channel.store.rotate()  # the previous version's message comes over
     bodies = _bodies(connection)
     assert {"b": "this version"} in bodies
     assert len(bodies) == 2  # one per key
@@ -80,15 +82,16 @@ def test_a_copy_a_role_runs_itself_skips_a_taken_key_without_an_error(
 ) -> None:
     """Any insert claims its key (a trigger), not only the broker's statements: an
     application's own COPY into the queue skips what is taken instead of failing."""
+    # (into message_store, this version's table; _previous_publish writes the old one)
     Queue(QUEUE, channel=connection.default_channel).declare()
     _publish(connection, "k1", "first")
     columns = sql.SQL("(queue, dedup_key, body, headers, properties)")
     with db.cursor().copy(
-        sql.SQL("COPY {}.message {} FROM STDIN").format(sql.Identifier(schema), columns)
+        sql.SQL("COPY {}.message_store {} FROM STDIN").format(sql.Identifier(schema), columns)
     ) as copy:
         for key in ("k1", "k2", "k2"):
             copy.write_row((QUEUE, key, b'{"b": "copied"}', "{}", "{}"))
     keys = db.execute(
-        sql.SQL("SELECT dedup_key FROM {}.message ORDER BY id").format(sql.Identifier(schema))
+        sql.SQL("SELECT dedup_key FROM {}.message_store ORDER BY id").format(sql.Identifier(schema))
     ).fetchall()
     assert [k for (k,) in keys] == ["k1", "k2"]

@@ -110,7 +110,7 @@ def _marker(connection: Connection, watcher: Watcher, seen_before: list[Any]) ->
 
 
 def _own_message_count(conn: psycopg.Connection, schema: str) -> int:
-    query = sql.SQL("SELECT count(*) FROM {}.message").format(sql.Identifier(schema))
+    query = sql.SQL("SELECT count(*) FROM {}.message_store").format(sql.Identifier(schema))
     row = conn.execute(query).fetchone()
     assert row is not None
     return int(row[0])

@@ -56,7 +56,7 @@ def twin(twin_dsn: str, schema: str) -> Iterator[str]:
 
 def _messages(dsn: str, schema: str) -> int:
     with psycopg.connect(dsn, autocommit=True) as conn:
-        query = sql.SQL("SELECT count(*) FROM {}.message").format(sql.Identifier(schema))
+        query = sql.SQL("SELECT count(*) FROM {}.message_store").format(sql.Identifier(schema))
         row = conn.execute(query).fetchone()
     assert row is not None
     return int(row[0])
@@ -116,6 +116,8 @@ def publisher(db: psycopg.Connection, schema: str, connection: Connection) -> It
                 ident, role
             )
         )
+        # the ids and the generation that message_store's defaults read
+        db.execute(sql.SQL("GRANT USAGE ON ALL SEQUENCES IN SCHEMA {} TO {}").format(ident, role))
         yield name
     finally:
         db.execute(sql.SQL("DROP OWNED BY {}").format(role))

@@ -67,7 +67,7 @@ def sent(dsn: str, schema: str, db: psycopg.Connection) -> Iterator[dict[str, li
 
 
 def rows(db: psycopg.Connection, schema: str, table: str) -> list[dict[str, Any]]:
-    lease = sql.SQL("lease" if table == "message" else "NULL::bigint")
+    lease = sql.SQL("lease" if table == "message_store" else "NULL::bigint")
     with db.cursor(row_factory=dict_row) as cur:
         return cur.execute(
             sql.SQL(
@@ -112,7 +112,7 @@ def test_migrate_installs_then_reports_current(cli, db, schema):
     target = f"database {info.dbname!r} on {info.host}:{info.port} as {info.user}"
     assert done.stdout.strip() == f"schema {schema!r} in {target}: applied {applied}"
     assert kombu_pgqueue.current_version(db, schema) == latest
-    assert rows(db, schema, "message") == []
+    assert rows(db, schema, "message_store") == []
 
     again = cli("migrate", auto_migrate="false")
     assert (
@@ -211,7 +211,7 @@ def test_dead_requeue_one_then_all(cli, sent, db, schema):
     assert done.stdout.strip() == "requeued 1 dead letters into doomed"
     assert done.stderr.strip() == f"no dead letter with id {missing}"
     assert [r["id"] for r in rows(db, schema, "dead_letter")] == [second]
-    back = [r for r in rows(db, schema, "message") if r["queue"] == "doomed"]
+    back = [r for r in rows(db, schema, "message_store") if r["queue"] == "doomed"]
     assert [(r["task_id"], r["attempts"], r["lease"]) for r in back] == [
         (sent["doomed"][0], 0, None)
     ]
@@ -219,7 +219,7 @@ def test_dead_requeue_one_then_all(cli, sent, db, schema):
     done = cli("dead", "requeue", "--all")
     assert done.stdout.strip() == "requeued 1 dead letters into doomed"
     assert rows(db, schema, "dead_letter") == []
-    assert task_ids(rows(db, schema, "message"), "doomed") == sent["doomed"]
+    assert task_ids(rows(db, schema, "message_store"), "doomed") == sent["doomed"]
 
     refused = cli("dead", "requeue", ok=False)
     assert refused.returncode != 0
@@ -261,13 +261,13 @@ def test_dead_purge(cli, sent, db, schema):
     assert len(rows(db, schema, "dead_letter")) == 2
     assert cli("dead", "purge", "--yes").stdout.strip() == "deleted 2 dead letters"
     assert rows(db, schema, "dead_letter") == []
-    assert len(rows(db, schema, "message")) == 6  # the live queues are untouched
+    assert len(rows(db, schema, "message_store")) == 6  # the live queues are untouched
 
 
 def test_purge_queues(cli, sent, db, schema):
     done = cli("purge", "other", "--yes")
     assert done.stdout.strip() == "other: purged 2 messages"
-    left = rows(db, schema, "message")
+    left = rows(db, schema, "message_store")
     assert task_ids(left, "other") == []
     assert task_ids(left) == sent["celery"] + sent["delayed"]
 
@@ -275,7 +275,7 @@ def test_purge_queues(cli, sent, db, schema):
     assert done.returncode == 1  # a typo is not a success
     assert done.stdout.splitlines() == ["celery: purged 4 messages"]
     assert done.stderr.strip() == f"nothing-here: no such queue in schema {schema!r}"
-    assert rows(db, schema, "message") == []
+    assert rows(db, schema, "message_store") == []
     assert len(rows(db, schema, "dead_letter")) == 2  # purge leaves dead letters alone
 
 
@@ -283,7 +283,7 @@ def test_delete_queues(cli, sent, db, schema):
     held = sql.SQL(
         "UPDATE {table} SET lease = 1, next_iteration = now() + interval '1 hour' "
         "WHERE id = (SELECT min(id) FROM {table} WHERE queue = 'other')"
-    ).format(table=sql.Identifier(schema, "message"))
+    ).format(table=sql.Identifier(schema, "message_store"))
     db.execute(held)  # one in flight: a consumer uses the queue
     bindings = sql.SQL("SELECT count(*) FROM {} WHERE queue = 'other'").format(
         sql.Identifier(schema, "binding")
@@ -297,7 +297,7 @@ def test_delete_queues(cli, sent, db, schema):
         "other: not deleted: a consumer uses it (holds one of its messages, or waits for "
         "it); stop its workers first, or --force"
     ]
-    assert len(task_ids(rows(db, schema, "message"), "other")) == 2
+    assert len(task_ids(rows(db, schema, "message_store"), "other")) == 2
     assert db.execute(bindings).fetchone() == (1,)
 
     done = cli("delete", "other", "nothing-here", "--yes", "--force", ok=False)
@@ -305,7 +305,7 @@ def test_delete_queues(cli, sent, db, schema):
     assert done.returncode == 1
     assert done.stdout.splitlines() == ["other: deleted with 2 messages"]
     assert done.stderr.strip() == f"nothing-here: no such queue in schema {schema!r}"
-    left = rows(db, schema, "message")
+    left = rows(db, schema, "message_store")
     assert task_ids(left, "other") == []  # the one in flight too, as RabbitMQ's queue.delete
     assert task_ids(left) == sent["celery"] + sent["delayed"]
     assert db.execute(bindings).fetchone() == (0,)
@@ -405,7 +405,10 @@ def test_dead_requeue_all_of_a_reason(cli, sent, failed, db, schema):
     assert done.stdout.strip() == "requeued 1 dead letters into other"
     assert task_ids(rows(db, schema, "dead_letter")) == sent["doomed"]
     # the task's message again, with its task id: a worker runs it as that task
-    assert task_ids(rows(db, schema, "message"), "other") == sent["other"][1:] + sent["other"][:1]
+    assert (
+        task_ids(rows(db, schema, "message_store"), "other")
+        == sent["other"][1:] + sent["other"][:1]
+    )
 
 
 def test_dead_purge_older_than_and_by_reason(cli, sent, failed, db, schema):

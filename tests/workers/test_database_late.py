@@ -89,5 +89,5 @@ def test_a_first_publish_before_the_database_follows_its_retry_policy(stopped: C
     finally:
         app.close()
     with stopped.connect() as conn:
-        count = "SELECT count(*) FROM {}.message"
+        count = "SELECT count(*) FROM {}.message_store"
         assert conn.execute(count.format(schema)).fetchone() == (1,)

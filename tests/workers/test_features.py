@@ -57,7 +57,7 @@ def messages(db: psycopg.Connection, schema: str) -> list[dict[str, Any]]:
         """
         SELECT id, queue, headers->>'id' AS task_id, attempts, lease, expires_at,
                lease IS NOT NULL AND next_iteration > clock_timestamp() AS leased
-        FROM {s}.message
+        FROM {s}.message_store
         ORDER BY id
         """,
         schema,
@@ -79,7 +79,7 @@ def labels(db: psycopg.Connection, schema: str) -> list[str]:
 
 def past_expiry(db: psycopg.Connection, schema: str, task_id: str) -> bool:
     """The message of ``task_id`` has expired by the server's clock (the broker's)."""
-    query = "SELECT 1 FROM {s}.message WHERE headers->>'id' = %s AND expires_at <= now()"
+    query = "SELECT 1 FROM {s}.message_store WHERE headers->>'id' = %s AND expires_at <= now()"
     return bool(_rows(db, query, schema, task_id))
 
 
@@ -391,7 +391,7 @@ def test_remote_shutdown_stops_only_the_named_worker(spawn, publisher, db, schem
 def reply_queues(db: psycopg.Connection, schema: str) -> dict[str, list[str]]:
     """Reply-queue names found in the queue, binding and message tables."""
     found: dict[str, list[str]] = {}
-    for table, column in (("queue", "name"), ("binding", "queue"), ("message", "queue")):
+    for table, column in (("queue", "name"), ("binding", "queue"), ("message_store", "queue")):
         query = sql.SQL("SELECT {c} FROM {t} WHERE {c} LIKE %s ORDER BY 1").format(
             c=sql.Identifier(column), t=sql.Identifier(schema, table)
         )
@@ -451,7 +451,7 @@ def test_reply_queues_do_not_pile_up(app, dsn, schema, db):
         (timedelta(seconds=10), timedelta(seconds=300))
     }, seen
     # ...and each call deleted its queue, bindings and replies when it was done
-    assert left == [{"queue": [], "binding": [], "message": []}] * 6
+    assert left == [{"queue": [], "binding": [], "message_store": []}] * 6
 
 
 # -- 8. pools -----------------------------------------------------------------------------

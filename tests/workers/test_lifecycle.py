@@ -78,7 +78,7 @@ def messages(db: psycopg.Connection, schema: str) -> list[dict[str, Any]]:
                 FROM {}
                 ORDER BY id
                 """
-            ).format(sql.Identifier(schema, "message"))
+            ).format(sql.Identifier(schema, "message_store"))
         ).fetchall()
 
 

@@ -64,7 +64,7 @@ def test_a_publisher_first_with_results_in_the_broker_schema_on_an_empty_databas
         assert sent.state == "PENDING"  # read from the result tables
     finally:
         app.close()
-    waiting = sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(schema, "message"))
+    waiting = sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(schema, "message_store"))
     assert db.execute(waiting).fetchone() == (1,)
     tables = "SELECT count(*) FROM pg_tables WHERE schemaname = %s AND tablename LIKE 'celery_%%'"
     assert db.execute(tables, (schema,)).fetchone() == (2,)

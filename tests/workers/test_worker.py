@@ -61,7 +61,7 @@ def test_countdown_waits_in_postgres_not_in_the_worker(app, schema, db):
     with start_worker(app, pool="threads", concurrency=2, perform_ping_check=True) as w:
         result = add.apply_async((20, 22), countdown=3)
         row = db.execute(
-            sql.SQL("SELECT delayed FROM {}.message WHERE queue = 'celery'").format(
+            sql.SQL("SELECT delayed FROM {}.message_store WHERE queue = 'celery'").format(
                 sql.Identifier(schema)
             )
         ).fetchall()

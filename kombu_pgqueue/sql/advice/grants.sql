@@ -13,10 +13,14 @@ GRANT CREATE ON DATABASE {database} TO {role};
 -- is a decision, and tests/db/test_least_privilege.py fails until it is made.
 GRANT USAGE ON SCHEMA {schema} TO {role};
 GRANT SELECT, INSERT, UPDATE, DELETE
-    ON {schema}.queue, {schema}.exchange, {schema}.binding, {schema}.message, {schema}.dead_letter,
-       {schema}.waiter, {schema}.listener
+    ON {schema}.queue, {schema}.exchange, {schema}.binding, {schema}.message_store,
+       {schema}.message, {schema}.dead_letter, {schema}.waiter, {schema}.listener
     TO {role};
-GRANT SELECT ON {schema}.schema_migration, {schema}.handoff_key TO {role};
+GRANT SELECT
+    ON {schema}.schema_migration, {schema}.handoff_key, {schema}.rotation, {schema}.generation
+    TO {role};
+GRANT USAGE, SELECT ON SEQUENCE {schema}.message_store_id_seq, {schema}.generation_seq TO {role};
+GRANT EXECUTE ON FUNCTION {schema}.rotate TO {role};
 
 -- name: grant_temporary :none
 -- Bulk publishes (publish_many, send_many, Spark) stage rows with an ETA, a TTL queue or

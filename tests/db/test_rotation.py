@@ -1,0 +1,291 @@
+"""Storage that rotates (migration 0012): messages live in generations, and one that holds
+nothing live is emptied by TRUNCATE whatever snapshot another session holds; one that a
+reader holds a lock on (pg_dump) is left, without a wait in front of the claims, until
+that reader ends. A message that would keep an old generation alive moves forward, and
+dedup keys hold across generations.
+
+Each rotation here is one call of ``Store.rotate`` (what a consumer runs every
+``rotate_interval``), with ``generation_max_age=0`` so that every call starts a new
+generation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import psycopg
+import pytest
+from kombu import Connection, Consumer, Producer, Queue
+from psycopg import sql
+from waiting import wait_for
+
+from celery_pgqueue.cli import storage_waits
+from celery_pgqueue.metrics import PgQueueCollector
+from kombu_pgqueue import migrate
+from kombu_pgqueue.admin import Monitor
+
+QUEUE = "rot"
+
+
+@pytest.fixture
+def rotating(make_connection: Callable[..., Connection]) -> Connection:
+    conn = make_connection(generation_max_age=0)
+    Queue(QUEUE, channel=conn.default_channel).declare()
+    return conn
+
+
+@pytest.fixture
+def holder(dsn: str) -> Iterator[psycopg.Connection]:
+    """Another session, as pg_dump or an analyst's query would be."""
+    with psycopg.connect(dsn) as conn:
+        yield conn
+
+
+def _store(conn: Connection) -> Any:
+    return conn.default_channel.store
+
+
+def _generations(db: psycopg.Connection, schema: str) -> dict[int, str]:
+    rows = db.execute(
+        sql.SQL("SELECT gen, state FROM {} ORDER BY gen").format(
+            sql.Identifier(schema, "generation")
+        )
+    ).fetchall()
+    return dict(rows)
+
+
+def _partition_exists(db: psycopg.Connection, schema: str, gen: int) -> bool:
+    row = db.execute("SELECT to_regclass(%s) IS NOT NULL", (f'"{schema}".message_store_{gen}',))
+    return bool(row.fetchone()[0])  # type: ignore[index]
+
+
+def _bytes(db: psycopg.Connection, schema: str, gen: int) -> int:
+    row = db.execute(
+        "SELECT pg_total_relation_size(%s::regclass)", (f'"{schema}".message_store_{gen}',)
+    ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def _publish(conn: Connection, n: int, **kwargs: Any) -> None:
+    producer = Producer(conn)
+    for i in range(n):
+        producer.publish({"i": i}, routing_key=QUEUE, **kwargs)
+
+
+def _drain(conn: Connection) -> list[Any]:
+    queue = Queue(QUEUE, channel=conn.default_channel)
+    got = []
+    while (message := queue.get(no_ack=False)) is not None:
+        got.append(message.payload)
+        message.ack()
+    return got
+
+
+def _gen_of(db: psycopg.Connection, schema: str, where: str, *params: Any) -> list[int]:
+    query = sql.SQL("SELECT gen FROM {} WHERE " + where + " ORDER BY id").format(  # noqa: S608
+        sql.Identifier(schema, "message_store")
+    )
+    return [gen for (gen,) in db.execute(query, params).fetchall()]
+
+
+def test_a_drained_generation_is_emptied_while_a_snapshot_is_held(
+    rotating: Connection, holder: psycopg.Connection, db: psycopg.Connection, schema: str
+) -> None:
+    _publish(rotating, 300)
+    holder.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+    holder.execute("SELECT count(*) FROM pg_class").fetchone()  # the snapshot is taken
+    _store(rotating).rotate()  # generation 2 is current; the 300 are in 1
+    assert len(_drain(rotating)) == 300
+    # VACUUM could not remove a row of them now: the snapshot is older
+    assert _bytes(db, schema, 1) > 8192 * 4
+
+    _store(rotating).rotate()  # 3 is current: 1 is two behind, empty, and goes
+
+    assert 1 not in _generations(db, schema)
+    assert not _partition_exists(db, schema, 1)
+    assert holder.execute("SELECT 1").fetchone() == (1,)  # the snapshot is still held
+    _publish(rotating, 1)
+    assert _drain(rotating) == [{"i": 0}]
+
+
+def test_a_generation_a_reader_holds_a_lock_on_waits_for_it_and_claims_do_not(
+    rotating: Connection, holder: psycopg.Connection, db: psycopg.Connection, schema: str
+) -> None:
+    _publish(rotating, 50)
+    with holder.transaction():
+        # what pg_dump does for its whole run: ACCESS SHARE on every table, partitions
+        # included, and a snapshot
+        holder.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+        holder.execute(
+            sql.SQL("LOCK TABLE {} IN ACCESS SHARE MODE").format(
+                sql.Identifier(schema, "message_store")
+            )
+        )
+        holder_pid = holder.info.backend_pid
+        _store(rotating).rotate()
+        assert len(_drain(rotating)) == 50
+        for _ in range(3):
+            _store(rotating).rotate()
+            # the queue keeps flowing: no statement waits behind the rotation
+            _publish(rotating, 1)
+            assert _drain(rotating) == [{"i": 0}]
+
+        generations = _generations(db, schema)
+        assert generations[1] == "drained"  # claims skip it, its space waits
+        blocked = db.execute(
+            sql.SQL("SELECT blocked_by FROM {} WHERE gen = 1").format(
+                sql.Identifier(schema, "generation")
+            )
+        ).fetchone()
+        assert blocked == (holder_pid,)
+        # generations attached after the reader started are emptied as usual
+        assert max(generations) >= 5
+        oldest = db.execute(
+            sql.SQL("SELECT oldest FROM {}").format(sql.Identifier(schema, "rotation"))
+        ).fetchone()
+        assert oldest is not None and oldest[0] > 1
+        # and an operator sees what waits for whom, in `celery pgqueue queues` and metrics
+        monitor = Monitor(_store(rotating))
+        line = storage_waits(monitor.generations())
+        assert line is not None and f"pid {holder_pid}" in line, line
+        assert _metric(monitor, "pgqueue_storage_waiting_bytes") > 0
+        assert _metric(monitor, "pgqueue_storage_waiting_seconds") >= 0
+
+    _store(rotating).rotate()  # the reader ended
+    assert 1 not in _generations(db, schema)
+    assert not _partition_exists(db, schema, 1)
+    assert storage_waits(monitor.generations()) is None
+    assert _metric(monitor, "pgqueue_storage_waiting_bytes") == 0
+
+
+def _metric(monitor: Monitor, name: str) -> float:
+    collector = PgQueueCollector(monitor, counters=False, min_interval=0)
+    found = [s.value for m in collector.collect() for s in m.samples if s.name == name]
+    assert len(found) == 1, (name, found)
+    return float(found[0])
+
+
+def test_messages_that_would_pin_an_old_generation_move_forward(
+    rotating: Connection, db: psycopg.Connection, schema: str, later: Callable[[float], Any]
+) -> None:
+    # an ETA a week away, and a message whose consumer died holding it
+    Producer(rotating).publish({"eta": 1}, routing_key=QUEUE)
+    table = sql.Identifier(schema, "message_store")
+    db.execute(
+        sql.SQL("UPDATE {} SET delayed = true, next_iteration = now() + interval '7 days'").format(
+            table
+        )
+    )
+    Producer(rotating).publish({"dead": 1}, routing_key=QUEUE)
+    store = _store(rotating)
+    assert len(store.claim(QUEUE, 1, 777)) == 1
+    # its lease ran out long ago (the clock moved, not slept)
+    db.execute(
+        sql.SQL(
+            "UPDATE {} SET next_iteration = now() - interval '1 hour' WHERE lease = 777"
+        ).format(table)
+    )
+    assert _gen_of(db, schema, "true") == [1, 1]
+
+    for _ in range(3):
+        store.rotate()
+
+    assert _gen_of(db, schema, "true") == [3, 3]  # taken along when 1 was two behind
+    assert 1 not in _generations(db, schema)
+    assert _drain(rotating) == [{"dead": 1}]  # the lapsed lease is delivered again
+
+
+def test_a_dedup_key_holds_across_generations(
+    rotating: Connection, db: psycopg.Connection, schema: str
+) -> None:
+    keyed = {"headers": {"dedup_key": "once"}}
+    _publish(rotating, 1, **keyed)
+    for _ in range(3):
+        _store(rotating).rotate()
+    assert _gen_of(db, schema, "dedup_key = 'once'") == [3]  # moved, still waiting
+    assert 1 not in _generations(db, schema)
+
+    _publish(rotating, 1, **keyed)
+    assert _store(rotating).size(QUEUE) == 1
+    assert _drain(rotating) == [{"i": 0}]
+    _publish(rotating, 1, **keyed)  # the key is free once its message is gone
+    assert _store(rotating).size(QUEUE) == 1
+
+
+def _previous_publish(db: psycopg.Connection, schema: str, i: int, key: str | None = None) -> None:
+    """A publish as the previous version sends it: into table message, its dedup keys
+    kept by the table's unique index."""
+    db.execute(
+        sql.SQL(
+            "INSERT INTO {} (queue, dedup_key, body, content_type, content_encoding,"
+            " headers, properties) VALUES (%s, %s, %s, 'application/json', 'utf-8', '{{}}', '{{}}')"
+            " ON CONFLICT (queue, dedup_key) WHERE dedup_key IS NOT NULL DO NOTHING"
+        ).format(sql.Identifier(schema, "message")),
+        (QUEUE, key, f'{{"i": {i}}}'.encode()),
+    )
+
+
+def test_an_upgrade_in_place_with_a_consumer_running_loses_nothing(
+    dsn: str, schema: str, db: psycopg.Connection, make_connection: Callable[..., Connection]
+) -> None:
+    migrate(dsn, schema, to=11)  # the previous version's schema, with a backlog
+    for i in range(100):
+        _previous_publish(db, schema, i, key=f"k{i}" if i % 10 == 0 else None)
+    migrate(dsn, schema)
+    _previous_publish(db, schema, 999, key="k0")  # its key is held: skipped
+
+    conn = make_connection(rotate_interval=0.1, polling_interval=0.2)
+    got: list[int] = []
+
+    def on_message(body: dict[str, int], message: Any) -> None:
+        got.append(body["i"])
+        message.ack()
+
+    with Consumer(conn, [Queue(QUEUE)], callbacks=[on_message]):
+        # a rolling deploy: the previous version's publishers go on, and this one's begin
+        for i in range(100, 150):
+            _previous_publish(db, schema, i)
+        producer = Producer(conn)
+        for i in range(150, 200):
+            producer.publish({"i": i}, routing_key=QUEUE)
+
+        def all_in() -> bool:
+            with contextlib.suppress(TimeoutError):
+                conn.drain_events(timeout=0.2)
+            return len(got) >= 200
+
+        wait_for(all_in, 30, "every message, the previous version's too", details=lambda: len(got))
+
+    assert sorted(got) == list(range(200))
+    left = db.execute(
+        sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(schema, "message"))
+    ).fetchone()
+    assert left == (0,)
+
+
+def test_a_long_task_moves_forward_as_its_lease_is_renewed(
+    rotating: Connection, db: psycopg.Connection, schema: str
+) -> None:
+    """Its consumer lives and renews; its message keeps no old generation alive, and
+    the generations after it go while it runs."""
+    Producer(rotating).publish({"long": 1}, routing_key=QUEUE)
+    store = _store(rotating)
+    (held,) = store.claim(QUEUE, 1, 4242)
+    for _ in range(3):
+        store.rotate()
+    assert _gen_of(db, schema, "true") == [1]  # held: the rotation leaves it alone
+    _publish(rotating, 5)
+    store.rotate()
+    assert len(_drain(rotating)) == 5
+    store.rotate()  # 3 emptied, although 1 is older and live
+    assert 3 not in _generations(db, schema)
+
+    assert store.renew([held.id], [4242]) == {held.id}  # what its lease keeper sends
+
+    assert _gen_of(db, schema, "true") == [6]
+    store.rotate()
+    assert 1 not in _generations(db, schema)
+    assert store.ack(held.id, 4242)
