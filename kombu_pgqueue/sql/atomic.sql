@@ -10,6 +10,9 @@
 DELETE FROM {schema}.message_store
 WHERE id = %(id)s
   AND lease = %(lease)s
+  -- the live generations only (see the top of queries.sql)
+  AND gen BETWEEN (SELECT r.oldest FROM {schema}.rotation AS r)
+              AND (SELECT s.last_value FROM {schema}.generation_seq AS s)
 RETURNING id;
 
 -- name: delivery_holder :one

@@ -28,6 +28,11 @@
 -- random token (column queue.token), and a handed-off message as %(sealed)s, sealed by
 -- the publishing client with the schema's key (table handoff_key; _handoffs.seal).
 
+-- Generations (migration 0012): a statement on held messages (ack, renewal, release,
+-- requeue, reject) reads only the generations from rotation.oldest to the current one
+-- (the sequence's last value): not the drained ones before, nor the empty one attached
+-- ahead. Sub-selects, so the pruning happens as the statement runs, in any plan.
+
 -- name: publish :one
 -- One message. A due message wakes consumers ('r:' + the queue's token, column
 -- queue.token: random, so a role that may LISTEN learns no queue names); a delayed one
@@ -379,12 +384,13 @@ WHERE NOT EXISTS (SELECT 1 FROM target);
 -- instead of out again, and comes back too, after the leased ones, marked dead (no
 -- body): the consumer logs it, since nothing else would tell anyone.
 WITH candidate AS MATERIALIZED (
-    SELECT id, attempts
+    SELECT id, attempts, gen
     FROM {schema}.message_store
     WHERE queue = %(queue)s
       -- generations that hold nothing live are skipped, not walked (migration 0012):
-      -- a sub-select, so the pruning happens as the statement runs, in any plan
+      -- sub-selects, so the pruning happens as the statement runs, in any plan
       AND gen >= (SELECT r.oldest FROM {schema}.rotation AS r)
+      AND gen <= (SELECT s.last_value FROM {schema}.generation_seq AS s)
       AND NOT delayed
       AND next_iteration <= coalesce(%(now)s::timestamptz, now())
       AND (expires_at IS NULL OR expires_at > coalesce(%(now)s::timestamptz, now()))
@@ -401,12 +407,15 @@ WITH candidate AS MATERIALIZED (
 ),
 exhausted AS (
     DELETE FROM {schema}.message_store AS m
-    USING candidate AS c
-    WHERE m.id = c.id
-      -- redundant with the join, but an index condition on the primary key in any
-      -- join order (see ack_many)
-      AND m.id = ANY(ARRAY(SELECT id FROM candidate))
-      AND c.attempts >= %(max_attempts)s
+    -- no join to candidate: a list of ids is an index condition on the primary key of
+    -- each generation, one probe per id, whatever the planner believes of the table's
+    -- size (see ack_many) or of the candidates' number (joined, it took every candidate
+    -- for each, from the generation's index: 100 x 100 rows for a claim of 100)
+    WHERE m.id = ANY(ARRAY(
+              SELECT c.id FROM candidate AS c WHERE c.attempts >= %(max_attempts)s
+          ))
+      -- only the generations the candidates are in
+      AND m.gen BETWEEN (SELECT min(gen) FROM candidate) AND (SELECT max(gen) FROM candidate)
     RETURNING m.id, m.queue, m.priority, m.attempts, m.created_at, m.dedup_key, m.body,
               m.content_type, m.content_encoding, m.headers, m.properties
 ),
@@ -426,10 +435,11 @@ leased AS (
                          + make_interval(secs => %(lease_seconds)s),
         attempts = m.attempts + 1,
         lease = %(lease)s
-    FROM candidate AS c
-    WHERE m.id = c.id
-      AND m.id = ANY(ARRAY(SELECT id FROM candidate))
-      AND c.attempts < %(max_attempts)s
+    -- as exhausted's (the candidates are locked: their attempts are the rows')
+    WHERE m.id = ANY(ARRAY(
+              SELECT c.id FROM candidate AS c WHERE c.attempts < %(max_attempts)s
+          ))
+      AND m.gen BETWEEN (SELECT min(gen) FROM candidate) AND (SELECT max(gen) FROM candidate)
     RETURNING m.id, m.priority, m.attempts, m.body, m.content_type,
               m.content_encoding, m.headers, m.properties
 )
@@ -460,10 +470,12 @@ AND priority = %(after_priority)s::smallint AND id > %(after_id)s::bigint
 -- For no-ack consumers (Celery's remote control and events): the message is gone
 -- as it is handed out, as AMQP's no-ack delivery is.
 WITH candidate AS MATERIALIZED (
-    SELECT id
+    SELECT id, gen
     FROM {schema}.message_store
     WHERE queue = %(queue)s
-      AND gen >= (SELECT r.oldest FROM {schema}.rotation AS r)  -- as claim's
+      -- as claim's
+      AND gen >= (SELECT r.oldest FROM {schema}.rotation AS r)
+      AND gen <= (SELECT s.last_value FROM {schema}.generation_seq AS s)
       AND NOT delayed
       AND next_iteration <= coalesce(%(now)s::timestamptz, now())
       AND (expires_at IS NULL OR expires_at > coalesce(%(now)s::timestamptz, now()))
@@ -472,9 +484,9 @@ WITH candidate AS MATERIALIZED (
     FOR UPDATE SKIP LOCKED
 )
 DELETE FROM {schema}.message_store AS m
-USING candidate AS c
-WHERE m.id = c.id
-  AND m.id = ANY(ARRAY(SELECT id FROM candidate))
+-- as claim's exhausted
+WHERE m.id = ANY(ARRAY(SELECT id FROM candidate))
+  AND m.gen BETWEEN (SELECT min(gen) FROM candidate) AND (SELECT max(gen) FROM candidate)
 RETURNING m.id, m.priority, m.attempts + 1, m.body, m.content_type,
           m.content_encoding, m.headers::text, m.properties::text;
 
@@ -483,6 +495,9 @@ RETURNING m.id, m.priority, m.attempts + 1, m.body, m.content_type,
 DELETE FROM {schema}.message_store
 WHERE id = %(id)s
   AND lease = %(lease)s
+  -- the live generations only (see the top of this file)
+  AND gen BETWEEN (SELECT r.oldest FROM {schema}.rotation AS r)
+              AND (SELECT s.last_value FROM {schema}.generation_seq AS s)
   -- relax_consumer_commits: 'off' here spares this commit the WAL flush wait; a crash
   -- can then forget it, which only delivers a message again (NULL: the server's setting)
   AND (SELECT set_config('synchronous_commit',
@@ -502,6 +517,9 @@ USING unnest(%(ids)s::bigint[], %(leases)s::bigint[]) AS held (id, lease)
 WHERE m.id = held.id
   AND m.id = ANY(%(ids)s::bigint[])
   AND m.lease = held.lease
+  -- the live generations only (see the top of this file)
+  AND m.gen BETWEEN (SELECT r.oldest FROM {schema}.rotation AS r)
+              AND (SELECT s.last_value FROM {schema}.generation_seq AS s)
   -- relax_consumer_commits: 'off' here spares this commit the WAL flush wait; a crash
   -- can then forget it, which only delivers a message again (NULL: the server's setting)
   AND (SELECT set_config('synchronous_commit',
@@ -516,6 +534,9 @@ SET next_iteration = coalesce(%(now)s::timestamptz, now()),
     lease = NULL
 WHERE id = %(id)s
   AND lease = %(lease)s
+  -- the live generations only (see the top of this file)
+  AND gen BETWEEN (SELECT r.oldest FROM {schema}.rotation AS r)
+              AND (SELECT s.last_value FROM {schema}.generation_seq AS s)
   -- relax_consumer_commits: 'off' here spares this commit the WAL flush wait; a crash
   -- can then forget it, which only delivers a message again (NULL: the server's setting)
   AND (SELECT set_config('synchronous_commit',
@@ -537,6 +558,9 @@ WITH released AS (
     WHERE m.id = held.id
       AND m.id = ANY(%(ids)s::bigint[])
       AND m.lease = held.lease
+      -- the live generations only (see the top of this file)
+      AND m.gen BETWEEN (SELECT r.oldest FROM {schema}.rotation AS r)
+                  AND (SELECT s.last_value FROM {schema}.generation_seq AS s)
       -- relax_consumer_commits: 'off' here spares this commit the WAL flush wait; a crash
       -- can then forget it, which only delivers a message again (NULL: the server's setting)
       AND (SELECT set_config('synchronous_commit',
@@ -553,6 +577,9 @@ WITH gone AS (
     DELETE FROM {schema}.message_store
     WHERE id = %(id)s
       AND lease = %(lease)s
+      -- the live generations only (see the top of this file)
+      AND gen BETWEEN (SELECT r.oldest FROM {schema}.rotation AS r)
+                  AND (SELECT s.last_value FROM {schema}.generation_seq AS s)
       -- relax_consumer_commits: 'off' here spares this commit the WAL flush wait; a crash
       -- can then forget it, which only delivers a message again (NULL: the server's setting)
       AND (SELECT set_config('synchronous_commit',
@@ -586,6 +613,9 @@ FROM unnest(%(ids)s::bigint[], %(leases)s::bigint[]) AS held (id, lease)
 WHERE m.id = held.id
   AND m.id = ANY(%(ids)s::bigint[])
   AND m.lease = held.lease
+  -- the live generations only (see the top of this file)
+  AND m.gen BETWEEN (SELECT r.oldest FROM {schema}.rotation AS r)
+              AND (SELECT s.last_value FROM {schema}.generation_seq AS s)
   -- relax_consumer_commits: 'off' here spares this commit the WAL flush wait; a crash
   -- can then forget it, which only delivers a message again (NULL: the server's setting)
   AND (SELECT set_config('synchronous_commit',

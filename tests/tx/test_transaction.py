@@ -107,6 +107,10 @@ def _marker(connection: Connection, watcher: Watcher, seen_before: list[Any]) ->
     Producer(connection).publish({"marker": True}, routing_key=watcher.queue)
     wait_for(lambda: {"marker": True} in watcher.got, 5, "the marker message")
     assert watcher.got == [*seen_before, {"marker": True}]
+    # the watcher acks in batches, after its callback: the marker's row goes a moment later
+    store = connection.default_channel.store
+    with store.pool.connection() as conn:
+        wait_for(lambda: _own_message_count(conn, store.schema) == 0, 5, "the watcher's last ack")
 
 
 def _own_message_count(conn: psycopg.Connection, schema: str) -> int:

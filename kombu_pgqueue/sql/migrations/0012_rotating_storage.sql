@@ -237,12 +237,33 @@ AS $$
 BEGIN
     DELETE FROM {schema}.message_store
     WHERE id = message_id
-      AND lease = lease_id;
+      AND lease = lease_id
+      -- the live generations only (see the top of queries.sql)
+      AND gen BETWEEN (SELECT r.oldest FROM {schema}.rotation AS r)
+                  AND (SELECT s.last_value FROM {schema}.generation_seq AS s);
     IF NOT FOUND THEN
         RAISE EXCEPTION 'pgqueue: the lease of message % was lost', message_id
             USING ERRCODE = 'no_data_found';
     END IF;
 END
+$$;
+
+-- The sessions other than this one that hold a lock on table rel now, of those in
+-- among if given: the rotation asks before it waits, and after its wait failed, and
+-- the session that held a lock both times is the one it waits for (a pg_dump).
+CREATE FUNCTION {schema}.lock_holders(rel regclass, among integer[] DEFAULT NULL)
+RETURNS integer[]
+LANGUAGE sql
+STABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+    SELECT array_agg(DISTINCT l.pid)
+    FROM pg_catalog.pg_locks AS l
+    WHERE l.locktype = 'relation'
+      AND l.relation = rel
+      AND l.granted
+      AND l.pid <> pg_backend_pid()
+      AND (among IS NULL OR l.pid = ANY(among))
 $$;
 
 -- The rotation, one step at a time; consumers call it every few seconds (transport
@@ -431,10 +452,7 @@ BEGIN
         ORDER BY x.gen
     LOOP
         part := format('%I.%I', nsp, 'message_store_' || g.gen)::regclass;
-        SELECT array_agg(DISTINCT l.pid) INTO before
-        FROM pg_catalog.pg_locks AS l
-        WHERE l.locktype = 'relation' AND l.relation = part AND l.granted
-          AND l.pid <> pg_backend_pid();
+        before := {schema}.lock_holders(part);
         IF g.blocked_by = ANY(before) THEN
             CONTINUE;  -- the same session holds it still: do not queue behind it
         END IF;
@@ -453,10 +471,7 @@ BEGIN
             emptied := emptied + 1;
         EXCEPTION WHEN lock_not_available THEN
             -- the session that held a lock before and after the wait is the one to wait for
-            SELECT array_agg(DISTINCT l.pid) INTO holders
-            FROM pg_catalog.pg_locks AS l
-            WHERE l.locktype = 'relation' AND l.relation = part AND l.granted
-              AND l.pid <> pg_backend_pid() AND l.pid = ANY(before);
+            holders := {schema}.lock_holders(part, before);
             UPDATE {schema}.generation
             SET blocked_by = holders[1],
                 blocked_since = CASE WHEN holders[1] IS NOT DISTINCT FROM blocked_by
@@ -468,10 +483,7 @@ BEGIN
     -- 6. drop the emptied ones, all at once
     IF EXISTS (SELECT 1 FROM {schema}.generation WHERE state = 'emptied') THEN
         part := format('%I.message_store', nsp)::regclass;
-        SELECT array_agg(DISTINCT l.pid) INTO before
-        FROM pg_catalog.pg_locks AS l
-        WHERE l.locktype = 'relation' AND l.relation = part AND l.granted
-          AND l.pid <> pg_backend_pid();
+        before := {schema}.lock_holders(part);
         IF NOT EXISTS (
             SELECT 1 FROM {schema}.generation AS x
             WHERE x.state = 'emptied' AND x.blocked_by = ANY(before)
@@ -490,10 +502,7 @@ BEGIN
                     dropped := dropped + 1;
                 END LOOP;
             EXCEPTION WHEN lock_not_available THEN
-                SELECT array_agg(DISTINCT l.pid) INTO holders
-                FROM pg_catalog.pg_locks AS l
-                WHERE l.locktype = 'relation' AND l.relation = part AND l.granted
-                  AND l.pid <> pg_backend_pid() AND l.pid = ANY(before);
+                holders := {schema}.lock_holders(part, before);
                 UPDATE {schema}.generation
                 SET blocked_by = holders[1],
                     blocked_since = CASE WHEN holders[1] IS NOT DISTINCT FROM blocked_by
