@@ -287,20 +287,34 @@ class Store(Connected):
         return dict(zip(keys, (int(v) for v in row))) if row else {}
 
     def rotate(self) -> Rotation:
-        """One step of the storage's rotation (function ``rotate``, migration 0012);
-        returns at once when another process is taking one."""
-        row = self._one(
-            "rotate",
-            {
-                "channel": self.options.channel,
-                "max_age": self.options.generation_max_age,
-                "min_age": self.options.rotate_interval,
-                "dead_limit": self.options.generation_dead_rows,
-                "batch": ROTATION_BATCH,
-                "max_generations": MAX_GENERATIONS,
-            },
-        )
-        return Rotation(*row) if row else Rotation(False, 0, 0, 0)
+        """The storage's rotation, its steps in turn (function ``rotate``, migration 0012),
+        each a transaction of its own; a step returns at once when another process is
+        taking one."""
+        params: dict[str, Any] = {
+            "channel": self.options.channel,
+            "max_age": self.options.generation_max_age,
+            "min_age": self.options.rotate_interval,
+            "dead_limit": self.options.generation_dead_rows,
+            "batch": ROTATION_BATCH,
+            "max_generations": MAX_GENERATIONS,
+        }
+
+        def step(name: str) -> Rotation:
+            row = self._one("rotate", {**params, "step": name})
+            return Rotation(*row) if row else Rotation(False, 0, 0, 0)
+
+        done = step("move")
+        rotated, moved, emptied = done.rotated, done.moved, 0
+        # drain, then empty, one generation a step, while there is one to take
+        for name in ("drain", "empty"):
+            for _ in range(MAX_GENERATIONS):
+                taken = step(name)
+                moved += taken.moved
+                if not taken.emptied:
+                    break
+                if name == "empty":
+                    emptied += 1
+        return Rotation(rotated, moved, emptied, step("drop").dropped)
 
     # -- queues, exchanges, bindings ---------------------------------------------
 

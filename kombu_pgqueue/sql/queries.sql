@@ -712,11 +712,12 @@ SELECT
     (SELECT count(*) FROM emptied) AS queue_messages;
 
 -- name: rotate :one
--- One step of the storage's rotation, by whichever consumer calls first (migration
--- 0012 says what a step does). Runs as the schema's owner.
+-- One step of the storage's rotation, %(step)s, by whichever consumer calls first
+-- (migration 0012 says what each step does). Runs as the schema's owner.
 SELECT rotated, moved, emptied, dropped
 FROM {schema}.rotate(
-    %(channel)s, %(max_age)s, %(min_age)s, %(dead_limit)s, %(batch)s, %(max_generations)s
+    %(step)s, %(channel)s, %(max_age)s, %(min_age)s, %(dead_limit)s, %(batch)s,
+    %(max_generations)s
 );
 
 -- name: declare_queue :one

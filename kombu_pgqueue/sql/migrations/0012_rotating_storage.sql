@@ -266,25 +266,30 @@ AS $$
       AND (among IS NULL OR l.pid = ANY(among))
 $$;
 
--- The rotation, one step at a time; consumers call it every few seconds (transport
--- option rotate_interval) and it returns at once unless there is something to do. One
--- caller at a time (an advisory lock per schema; the others return). It runs as the
--- schema's owner. Every lock it takes waits at most lock_timeout (20 ms): none of its
--- requests may queue for long in front of the claims and publishes, which would queue
--- behind it. Steps, in this order (the ones that lock tables last, since their locks
--- last until the call returns):
--- 1. what the previous version's publishers put in table message comes here;
--- 2. a new generation, when the current one is %(max_age)s old, or %(min_age)s old and
---    holding %(dead_limit)s dead rows (VACUUM cannot remove them: a snapshot is held);
---    the one after it is attached ahead;
--- 3. what waits, is delayed or was leased and lapsed in a generation older than the
---    previous one moves to the current one, so it keeps no old generation alive;
--- 4. generations before the current and the previous one that hold nothing are drained:
---    claims skip them (rotation.oldest);
--- 5. a drained generation is emptied by TRUNCATE, unless a session that held a lock on
---    it the last time still holds one (pg_dump: its space comes back when that ends);
--- 6. emptied generations are dropped, which needs ACCESS EXCLUSIVE on message_store.
+-- The rotation, in steps; a consumer takes them every few seconds (transport option
+-- rotate_interval), each step a statement, so a transaction of its own, and each returns
+-- at once when there is nothing to do. One caller at a time (an advisory lock per
+-- schema; another caller's step returns). It runs as the schema's owner. Every lock it
+-- asks for waits at most lock_timeout (20 ms), and a step that locks a table for more
+-- than a row's change locks one table only and then ends: holding one lock while it
+-- waits for another would let a claim that waits for the first hold the second, a
+-- deadlock (seen in the chaos snapshot scenario when one transaction took them all).
+-- The steps, %(step)s:
+-- 'move': what the previous version's publishers put in table message comes here; a
+--    new generation, when the current one is %(max_age)s old, or %(min_age)s old and
+--    holding %(dead_limit)s dead rows (VACUUM cannot remove them: a snapshot is held),
+--    and the one after it attached ahead; what waits, is delayed or was leased and
+--    lapsed in a generation older than the previous one moves to the current one, once
+--    little is left there, so it keeps no old generation alive;
+-- 'drain': one generation before the previous one that holds nothing is drained:
+--    claims skip it (rotation.oldest); returns 1 when it drained one;
+-- 'empty': one drained generation is emptied by TRUNCATE, unless a session that held a
+--    lock on it the last time still holds one (pg_dump: its space comes back when that
+--    ends); returns 1 when it emptied one;
+-- 'drop': the emptied generations are dropped, which needs ACCESS EXCLUSIVE on
+--    message_store for a moment.
 CREATE FUNCTION {schema}.rotate(
+    step text,
     channel text,
     max_age double precision,
     min_age double precision,
@@ -327,193 +332,205 @@ BEGIN
     PERFORM set_config('lock_timeout', '20ms', true);
     cur := pg_sequence_last_value(format('%I.generation_seq', nsp)::regclass);
 
-    -- 1. the previous version's table
-    WITH taken AS (
-        DELETE FROM {schema}.message AS m
-        WHERE m.id IN (
-            SELECT o.id FROM {schema}.message AS o
-            WHERE o.lease IS NULL OR o.next_iteration <= now()
-            ORDER BY o.id
-            LIMIT batch
-            FOR UPDATE SKIP LOCKED
+    IF step = 'move' THEN
+        -- the previous version's table
+        WITH taken AS (
+            DELETE FROM {schema}.message AS m
+            WHERE m.id IN (
+                SELECT o.id FROM {schema}.message AS o
+                WHERE o.lease IS NULL OR o.next_iteration <= now()
+                ORDER BY o.id
+                LIMIT batch
+                FOR UPDATE SKIP LOCKED
+            )
+            RETURNING m.*
+        ),
+        stored AS (
+            INSERT INTO {schema}.message_store (
+                id, queue, priority, delayed, next_iteration, attempts, lease, expires_at,
+                dedup_key, created_at, body, content_type, content_encoding, headers,
+                properties, gen
+            )
+            SELECT id, queue, priority, delayed, next_iteration, attempts, lease, expires_at,
+                   dedup_key, created_at, body, content_type, content_encoding, headers,
+                   properties, cur
+            FROM taken
+            RETURNING queue, delayed
+        ),
+        woken AS (
+            -- consumers hear of what is ready, as from a publish
+            SELECT pg_notify(channel, 'r:' || coalesce(q.token, ''))
+            FROM (SELECT DISTINCT s.queue FROM stored AS s WHERE NOT s.delayed) AS s
+            LEFT JOIN {schema}.queue AS q ON q.name = s.queue
         )
-        RETURNING m.*
-    ),
-    stored AS (
-        INSERT INTO {schema}.message_store (
-            id, queue, priority, delayed, next_iteration, attempts, lease, expires_at,
-            dedup_key, created_at, body, content_type, content_encoding, headers,
-            properties, gen
-        )
-        SELECT id, queue, priority, delayed, next_iteration, attempts, lease, expires_at,
-               dedup_key, created_at, body, content_type, content_encoding, headers,
-               properties, cur
-        FROM taken
-        RETURNING queue, delayed
-    ),
-    woken AS (
-        -- consumers hear of what is ready, as from a publish
-        SELECT pg_notify(channel, 'r:' || coalesce(q.token, ''))
-        FROM (SELECT DISTINCT s.queue FROM stored AS s WHERE NOT s.delayed) AS s
-        LEFT JOIN {schema}.queue AS q ON q.name = s.queue
-    )
-    SELECT (SELECT count(*) FROM stored), (SELECT count(*) FROM woken) INTO n, dropped;
-    moved := moved + n;
-    dropped := 0;
+        SELECT (SELECT count(*) FROM stored), (SELECT count(*) FROM woken) INTO moved, n;
 
-    -- 2. a new generation
-    SELECT extract(EPOCH FROM now() - r.rotated_at) INTO age FROM {schema}.rotation AS r;
-    IF EXISTS (SELECT 1 FROM {schema}.generation WHERE gen = cur + 1)
-       AND (SELECT count(*) FROM {schema}.generation) < max_generations
-       AND (age >= max_age OR (age >= min_age AND pg_stat_get_dead_tuples(
-                format('%I.%I', nsp, 'message_store_' || cur)::regclass) >= dead_limit))
-    THEN
-        PERFORM nextval(format('%I.generation_seq', nsp)::regclass);
-        UPDATE {schema}.generation SET state = 'live', changed_at = now() WHERE gen = cur;
-        cur := cur + 1;
-        UPDATE {schema}.generation SET state = 'current', changed_at = now() WHERE gen = cur;
-        UPDATE {schema}.rotation SET rotated_at = now();
-        rotated := true;
-    END IF;
-    IF NOT EXISTS (SELECT 1 FROM {schema}.generation WHERE gen = cur + 1) THEN
-        BEGIN
-            -- committed with this call; a publish may use it from the next rotation on
-            PERFORM {schema}.add_generation(cur + 1);
-        EXCEPTION WHEN lock_not_available THEN
-            NULL;  -- a VACUUM of message_store, say: the next call tries again
-        END;
-    END IF;
+        -- a new generation
+        SELECT extract(EPOCH FROM now() - r.rotated_at) INTO age FROM {schema}.rotation AS r;
+        IF EXISTS (SELECT 1 FROM {schema}.generation WHERE gen = cur + 1)
+           AND (SELECT count(*) FROM {schema}.generation) < max_generations
+           AND (age >= max_age OR (age >= min_age AND pg_stat_get_dead_tuples(
+                    format('%I.%I', nsp, 'message_store_' || cur)::regclass) >= dead_limit))
+        THEN
+            PERFORM nextval(format('%I.generation_seq', nsp)::regclass);
+            UPDATE {schema}.generation SET state = 'live', changed_at = now() WHERE gen = cur;
+            cur := cur + 1;
+            UPDATE {schema}.generation SET state = 'current', changed_at = now() WHERE gen = cur;
+            UPDATE {schema}.rotation SET rotated_at = now();
+            rotated := true;
+        END IF;
+        IF NOT EXISTS (SELECT 1 FROM {schema}.generation WHERE gen = cur + 1) THEN
+            BEGIN
+                -- committed with this step; a publish may use it from the next rotation on
+                PERFORM {schema}.add_generation(cur + 1);
+            EXCEPTION WHEN lock_not_available THEN
+                NULL;  -- a VACUUM of message_store, say: the next step tries again
+            END;
+        END IF;
 
-    -- 3. forward: what would keep an old generation alive, once little is left in it
-    -- (a backlog that waits for consumers is not copied from one generation to the
-    -- next; the statistics' count of live rows is enough to tell the two apart)
-    FOR g IN
-        SELECT x.gen FROM {schema}.generation AS x
-        WHERE x.state = 'live' AND x.gen < cur - 1
-          AND pg_stat_get_live_tuples(
-                format('%I.%I', nsp, 'message_store_' || x.gen)::regclass) <= batch
-        ORDER BY x.gen
-    LOOP
-        WITH picked AS (
-            SELECT m.id FROM {schema}.message_store AS m
+        -- forward: what would keep an old generation alive, once little is left in it
+        -- (a backlog that waits for consumers is not copied from one generation to the
+        -- next; the statistics' count of live rows is enough to tell the two apart)
+        FOR g IN
+            SELECT x.gen FROM {schema}.generation AS x
+            WHERE x.state = 'live' AND x.gen < cur - 1
+              AND pg_stat_get_live_tuples(
+                    format('%I.%I', nsp, 'message_store_' || x.gen)::regclass) <= batch
+            ORDER BY x.gen
+        LOOP
+            WITH picked AS (
+                SELECT m.id FROM {schema}.message_store AS m
+                WHERE m.gen = g.gen
+                  AND (m.lease IS NULL OR m.next_iteration <= now())
+                LIMIT batch
+                FOR UPDATE SKIP LOCKED
+            )
+            UPDATE {schema}.message_store AS m
+            SET gen = cur
+            FROM picked
             WHERE m.gen = g.gen
-              AND (m.lease IS NULL OR m.next_iteration <= now())
-            LIMIT batch
-            FOR UPDATE SKIP LOCKED
-        )
-        UPDATE {schema}.message_store AS m
-        SET gen = cur
-        FROM picked
-        WHERE m.gen = g.gen
-          AND m.id = picked.id;
-        GET DIAGNOSTICS n = ROW_COUNT;
-        moved := moved + n;
-    END LOOP;
-
-    -- 4. drained: nothing in it, and nothing can come (SHARE waits for a transaction
-    -- that inserted into it and has not ended). Not only from the oldest on: a long
-    -- task's message keeps its generation live until its lease is renewed (which moves
-    -- it forward too), but the generations after it can go meanwhile.
-    FOR g IN
-        SELECT x.gen FROM {schema}.generation AS x
-        WHERE x.state = 'live' AND x.gen < cur - 1
-          AND pg_stat_get_live_tuples(
-                format('%I.%I', nsp, 'message_store_' || x.gen)::regclass) <= batch
-        ORDER BY x.gen
-    LOOP
-        part := format('%I.%I', nsp, 'message_store_' || g.gen)::regclass;
-        BEGIN
-            EXECUTE format('LOCK TABLE %s IN SHARE MODE', part);
-            EXECUTE format('SELECT EXISTS (SELECT 1 FROM %s)', part) INTO found_any;
-        EXCEPTION WHEN lock_not_available THEN
-            found_any := true;
-        END;
-        IF NOT found_any THEN
-            UPDATE {schema}.generation
-            SET state = 'drained', changed_at = now()
-            WHERE gen = g.gen;
-        END IF;
-    END LOOP;
-    -- claims skip every generation before the oldest that may hold something
-    UPDATE {schema}.rotation
-    SET oldest = coalesce((
-        SELECT min(x.gen) FROM {schema}.generation AS x
-        WHERE x.state IN ('live', 'current', 'next')
-    ), cur)
-    WHERE oldest IS DISTINCT FROM coalesce((
-        SELECT min(x.gen) FROM {schema}.generation AS x
-        WHERE x.state IN ('live', 'current', 'next')
-    ), cur);
-
-    -- 5. empty the drained ones
-    FOR g IN
-        SELECT x.gen, x.blocked_by FROM {schema}.generation AS x
-        WHERE x.state = 'drained'
-        ORDER BY x.gen
-    LOOP
-        part := format('%I.%I', nsp, 'message_store_' || g.gen)::regclass;
-        before := {schema}.lock_holders(part);
-        IF g.blocked_by = ANY(before) THEN
-            CONTINUE;  -- the same session holds it still: do not queue behind it
-        END IF;
-        BEGIN
-            EXECUTE format('LOCK TABLE %s IN ACCESS EXCLUSIVE MODE', part);
-            -- a message that slipped in after it drained goes forward first
-            EXECUTE format(
-                'UPDATE %I.message_store SET gen = %s WHERE gen = %s', nsp, cur, g.gen
-            );
+              AND m.id = picked.id;
             GET DIAGNOSTICS n = ROW_COUNT;
             moved := moved + n;
-            EXECUTE format('TRUNCATE %s', part);
-            UPDATE {schema}.generation
-            SET state = 'emptied', changed_at = now(), blocked_by = NULL, blocked_since = NULL
-            WHERE gen = g.gen;
-            emptied := emptied + 1;
-        EXCEPTION WHEN lock_not_available THEN
-            -- the session that held a lock before and after the wait is the one to wait for
-            holders := {schema}.lock_holders(part, before);
-            UPDATE {schema}.generation
-            SET blocked_by = holders[1],
-                blocked_since = CASE WHEN holders[1] IS NOT DISTINCT FROM blocked_by
-                                     THEN blocked_since ELSE now() END
-            WHERE gen = g.gen;
-        END;
-    END LOOP;
+        END LOOP;
 
-    -- 6. drop the emptied ones, all at once
-    IF EXISTS (SELECT 1 FROM {schema}.generation WHERE state = 'emptied') THEN
-        part := format('%I.message_store', nsp)::regclass;
-        before := {schema}.lock_holders(part);
-        IF NOT EXISTS (
-            SELECT 1 FROM {schema}.generation AS x
-            WHERE x.state = 'emptied' AND x.blocked_by = ANY(before)
-        ) THEN
+    ELSIF step = 'drain' THEN
+        -- the first generation before the previous one that looks empty (no lock for
+        -- the look); then, under SHARE, which waits for a transaction that inserted into
+        -- it and has not ended, the look again. Not only from the oldest on: a long
+        -- task's message keeps its generation live until its lease is renewed (which
+        -- moves it forward), but the generations after it can go meanwhile.
+        FOR g IN
+            SELECT x.gen FROM {schema}.generation AS x
+            WHERE x.state = 'live' AND x.gen < cur - 1
+              AND pg_stat_get_live_tuples(
+                    format('%I.%I', nsp, 'message_store_' || x.gen)::regclass) <= batch
+            ORDER BY x.gen
+        LOOP
+            part := format('%I.%I', nsp, 'message_store_' || g.gen)::regclass;
+            EXECUTE format('SELECT EXISTS (SELECT 1 FROM %s)', part) INTO found_any;
+            CONTINUE WHEN found_any;
+            BEGIN
+                EXECUTE format('LOCK TABLE %s IN SHARE MODE', part);
+                EXECUTE format('SELECT EXISTS (SELECT 1 FROM %s)', part) INTO found_any;
+            EXCEPTION WHEN lock_not_available THEN
+                found_any := true;
+            END;
+            IF NOT found_any THEN
+                UPDATE {schema}.generation
+                SET state = 'drained', changed_at = now()
+                WHERE gen = g.gen;
+                emptied := 1;  -- "did one": the caller takes the step again
+            END IF;
+            EXIT;  -- one lock per step
+        END LOOP;
+        -- claims skip every generation before the oldest that may hold something
+        UPDATE {schema}.rotation
+        SET oldest = coalesce((
+            SELECT min(x.gen) FROM {schema}.generation AS x
+            WHERE x.state IN ('live', 'current', 'next')
+        ), cur)
+        WHERE oldest IS DISTINCT FROM coalesce((
+            SELECT min(x.gen) FROM {schema}.generation AS x
+            WHERE x.state IN ('live', 'current', 'next')
+        ), cur);
+
+    ELSIF step = 'empty' THEN
+        FOR g IN
+            SELECT x.gen, x.blocked_by FROM {schema}.generation AS x
+            WHERE x.state = 'drained'
+            ORDER BY x.gen
+        LOOP
+            part := format('%I.%I', nsp, 'message_store_' || g.gen)::regclass;
+            before := {schema}.lock_holders(part);
+            IF g.blocked_by = ANY(before) THEN
+                CONTINUE;  -- the same session holds it still: do not queue behind it
+            END IF;
             BEGIN
                 EXECUTE format('LOCK TABLE %s IN ACCESS EXCLUSIVE MODE', part);
-                FOR g IN
-                    SELECT x.gen FROM {schema}.generation AS x WHERE x.state = 'emptied'
-                LOOP
-                    EXECUTE format(
-                        'ALTER TABLE %s DETACH PARTITION %I.%I',
-                        part, nsp, 'message_store_' || g.gen
-                    );
-                    EXECUTE format('DROP TABLE %I.%I', nsp, 'message_store_' || g.gen);
-                    DELETE FROM {schema}.generation WHERE gen = g.gen;
-                    dropped := dropped + 1;
-                END LOOP;
+                -- a message that slipped in after it drained goes forward first
+                EXECUTE format(
+                    'UPDATE %I.message_store SET gen = %s WHERE gen = %s', nsp, cur, g.gen
+                );
+                GET DIAGNOSTICS n = ROW_COUNT;
+                moved := moved + n;
+                EXECUTE format('TRUNCATE %s', part);
+                UPDATE {schema}.generation
+                SET state = 'emptied', changed_at = now(), blocked_by = NULL,
+                    blocked_since = NULL
+                WHERE gen = g.gen;
+                emptied := 1;
             EXCEPTION WHEN lock_not_available THEN
+                -- the session that held a lock before and after the wait is the one to
+                -- wait for
                 holders := {schema}.lock_holders(part, before);
                 UPDATE {schema}.generation
                 SET blocked_by = holders[1],
                     blocked_since = CASE WHEN holders[1] IS NOT DISTINCT FROM blocked_by
                                          THEN blocked_since ELSE now() END
-                WHERE state = 'emptied';
+                WHERE gen = g.gen;
             END;
+            EXIT;  -- one lock per step
+        END LOOP;
+
+    ELSIF step = 'drop' THEN
+        IF EXISTS (SELECT 1 FROM {schema}.generation WHERE state = 'emptied') THEN
+            part := format('%I.message_store', nsp)::regclass;
+            before := {schema}.lock_holders(part);
+            IF NOT EXISTS (
+                SELECT 1 FROM {schema}.generation AS x
+                WHERE x.state = 'emptied' AND x.blocked_by = ANY(before)
+            ) THEN
+                BEGIN
+                    EXECUTE format('LOCK TABLE %s IN ACCESS EXCLUSIVE MODE', part);
+                    FOR g IN
+                        SELECT x.gen FROM {schema}.generation AS x WHERE x.state = 'emptied'
+                    LOOP
+                        EXECUTE format(
+                            'ALTER TABLE %s DETACH PARTITION %I.%I',
+                            part, nsp, 'message_store_' || g.gen
+                        );
+                        EXECUTE format('DROP TABLE %I.%I', nsp, 'message_store_' || g.gen);
+                        DELETE FROM {schema}.generation WHERE gen = g.gen;
+                        dropped := dropped + 1;
+                    END LOOP;
+                EXCEPTION WHEN lock_not_available THEN
+                    holders := {schema}.lock_holders(part, before);
+                    UPDATE {schema}.generation
+                    SET blocked_by = holders[1],
+                        blocked_since = CASE WHEN holders[1] IS NOT DISTINCT FROM blocked_by
+                                             THEN blocked_since ELSE now() END
+                    WHERE state = 'emptied';
+                END;
+            END IF;
         END IF;
+
+    ELSE
+        RAISE EXCEPTION 'pgqueue: rotate has no step %', step;
     END IF;
 END
 $$;
-REVOKE ALL ON FUNCTION {schema}.rotate(text, double precision, double precision, bigint, integer, integer) FROM PUBLIC;
+REVOKE ALL ON FUNCTION {schema}.rotate(text, text, double precision, double precision, bigint, integer, integer) FROM PUBLIC;
 
 -- The roles granted message (those that publish or consume, docs/operations.md) get the
 -- same on message_store, the sequences its defaults read, what claims and monitoring
@@ -550,8 +567,8 @@ BEGIN
         EXECUTE format('GRANT SELECT ON TABLE %I.rotation, %I.generation TO %s', nsp, nsp, granted.role);
         IF granted.consumes THEN
             EXECUTE format(
-                'GRANT EXECUTE ON FUNCTION %I.rotate(text, double precision, double precision,'
-                ' bigint, integer, integer) TO %s',
+                'GRANT EXECUTE ON FUNCTION %I.rotate(text, text, double precision,'
+                ' double precision, bigint, integer, integer) TO %s',
                 nsp, granted.role
             );
         END IF;
