@@ -80,6 +80,20 @@ CREATE TABLE {schema}.rotation (
     rotated_at timestamptz NOT NULL DEFAULT now()
 );
 
+-- This schema's name, for the statements the functions below build (format's %I):
+-- found through a table's row type, so that no schema name is written in a literal.
+CREATE FUNCTION {schema}.schema_name()
+RETURNS text
+LANGUAGE sql
+STABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+    SELECT n.nspname FROM pg_catalog.pg_class AS c
+    JOIN pg_catalog.pg_namespace AS n ON n.oid = c.relnamespace
+    WHERE c.oid = (SELECT t.typrelid FROM pg_catalog.pg_type AS t
+                   WHERE t.oid = pg_typeof(NULL::{schema}.message_store))
+$$;
+
 -- The partitions are created by rotate, which runs as the schema's owner: consumers
 -- need no right to create or alter tables. A partition is created on its own and then
 -- attached: CREATE TABLE ... PARTITION OF would take an ACCESS EXCLUSIVE lock on
@@ -93,12 +107,7 @@ SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
-    nsp text := (
-        SELECT n.nspname FROM pg_catalog.pg_class AS c
-        JOIN pg_catalog.pg_namespace AS n ON n.oid = c.relnamespace
-        WHERE c.oid = (SELECT t.typrelid FROM pg_catalog.pg_type AS t
-                       WHERE t.oid = pg_typeof(NULL::{schema}.message_store))
-    );
+    nsp text := {schema}.schema_name();
     part text := 'message_store_' || new_gen;
 BEGIN
     -- The storage settings of the message table (migrations 0003, 0004): never give
@@ -129,12 +138,7 @@ INSERT INTO {schema}.rotation (oldest) VALUES (1);
 -- their ids, so ours start 2^40 beyond the largest it has given.
 DO $migration_0012$
 DECLARE
-    nsp text := (
-        SELECT n.nspname FROM pg_catalog.pg_class AS c
-        JOIN pg_catalog.pg_namespace AS n ON n.oid = c.relnamespace
-        WHERE c.oid = (SELECT t.typrelid FROM pg_catalog.pg_type AS t
-                       WHERE t.oid = pg_typeof(NULL::{schema}.message_store))
-    );
+    nsp text := {schema}.schema_name();
     given bigint;
 BEGIN
     EXECUTE format(
@@ -306,12 +310,7 @@ SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
-    nsp text := (
-        SELECT n.nspname FROM pg_catalog.pg_class AS c
-        JOIN pg_catalog.pg_namespace AS n ON n.oid = c.relnamespace
-        WHERE c.oid = (SELECT t.typrelid FROM pg_catalog.pg_type AS t
-                       WHERE t.oid = pg_typeof(NULL::{schema}.message_store))
-    );
+    nsp text := {schema}.schema_name();
     cur bigint;
     age double precision;
     g record;
@@ -537,12 +536,7 @@ REVOKE ALL ON FUNCTION {schema}.rotate(text, text, double precision, double prec
 -- read of the rotation, and the rotation itself: an upgrade needs no new grants.
 DO $migration_0012_grants$
 DECLARE
-    nsp text := (
-        SELECT n.nspname FROM pg_catalog.pg_class AS c
-        JOIN pg_catalog.pg_namespace AS n ON n.oid = c.relnamespace
-        WHERE c.oid = (SELECT t.typrelid FROM pg_catalog.pg_type AS t
-                       WHERE t.oid = pg_typeof(NULL::{schema}.message_store))
-    );
+    nsp text := {schema}.schema_name();
     granted record;
 BEGIN
     FOR granted IN
