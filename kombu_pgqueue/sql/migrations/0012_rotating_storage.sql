@@ -302,6 +302,8 @@ CREATE FUNCTION {schema}.rotate(
     max_generations integer,
     OUT rotated boolean,
     OUT moved bigint,
+    -- generations emptied (step empty) or drained (step drain): the caller takes the
+    -- step again while it is 1
     OUT emptied integer,
     OUT dropped integer
 )
@@ -439,20 +441,15 @@ BEGIN
                 UPDATE {schema}.generation
                 SET state = 'drained', changed_at = now()
                 WHERE gen = g.gen;
-                emptied := 1;  -- "did one": the caller takes the step again
+                emptied := 1;  -- for this step: one drained (see OUT emptied)
             END IF;
             EXIT;  -- one lock per step
         END LOOP;
         -- claims skip every generation before the oldest that may hold something
-        UPDATE {schema}.rotation
-        SET oldest = coalesce((
-            SELECT min(x.gen) FROM {schema}.generation AS x
-            WHERE x.state IN ('live', 'current', 'next')
-        ), cur)
-        WHERE oldest IS DISTINCT FROM coalesce((
-            SELECT min(x.gen) FROM {schema}.generation AS x
-            WHERE x.state IN ('live', 'current', 'next')
-        ), cur);
+        SELECT coalesce(min(x.gen), cur) INTO n
+        FROM {schema}.generation AS x
+        WHERE x.state IN ('live', 'current', 'next');
+        UPDATE {schema}.rotation SET oldest = n WHERE oldest <> n;
 
     ELSIF step = 'empty' THEN
         FOR g IN
