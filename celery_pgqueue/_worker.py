@@ -267,6 +267,11 @@ class Sweep(bootsteps.StartStopStep):  # type: ignore[misc]  # Celery is untyped
     its stop. ``stopping`` is set by :meth:`stop` only; the thread only reads it."""
 
     label = "pgqueue sweep"
+    # after the pool's start, which forks prefork's children: a child forked while this
+    # thread imports (its first sweep loads the result backend's SQLAlchemy dialect)
+    # inherits that import's lock, held by a thread it does not have, and hangs at its
+    # first result (seen: tests/atomic, a child stuck in sqlalchemy.dialects' import)
+    requires = ("celery.worker.components:Pool",)
 
     def __init__(self, parent: Any, **kwargs: Any) -> None:
         super().__init__(parent, **kwargs)

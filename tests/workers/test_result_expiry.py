@@ -9,6 +9,9 @@ Redis expired results by TTL. A worker on pgqueue deletes the results older than
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 import uuid
 from collections.abc import Iterator
@@ -82,3 +85,34 @@ def test_a_worker_expires_results_without_beat(
         wait_for(lambda: old not in _ids(db, schema), 60, "the old result to expire")
     assert fresh in _ids(db, schema)
     assert "pgqueue-sweep" not in [t.name for t in threading.enumerate()]  # stopped with it
+
+
+#: a worker's steps in the order it starts them, printed by a process of its own (the
+#: order of steps that do not depend on each other follows the hash seed)
+_BOOT_ORDER = """
+import sys
+from celery_apps import celery_app
+app = celery_app(sys.argv[1], sys.argv[2])
+worker = app.WorkController(pool_cls="prefork", concurrency=1)
+print([getattr(s, "label", None) or type(s).__name__ for s in worker.blueprint.order])
+"""
+
+
+def test_the_sweep_starts_after_the_pool_has_forked_its_children(dsn: str, schema: str) -> None:
+    """The sweep's thread imports as its first sweep runs (the result backend's SQLAlchemy
+    dialect). A prefork child forked meanwhile inherits that import's lock, held by a
+    thread it does not have, and hangs at its first result: seen in tests/atomic, one run
+    in about forty. Whatever the hash seed, the pool starts first."""
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([tests, os.path.dirname(tests)])}
+    for seed in range(6):
+        done = subprocess.run(
+            [sys.executable, "-c", _BOOT_ORDER, dsn, schema],
+            env={**env, "PYTHONHASHSEED": str(seed)},
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=120,
+        )
+        order = done.stdout.strip().splitlines()[-1]
+        assert order.index("'Pool'") < order.index("'pgqueue sweep'"), (seed, order)
