@@ -7,6 +7,7 @@ adds one typed method per statement.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
@@ -38,6 +39,9 @@ _RELAXED = frozenset(
 #: their row meanwhile (see _rows)
 _FENCED = frozenset({"ack", "ack_many", "requeue", "release", "bury", "renew"})
 
+#: seconds between two reads of the generation floor (see Connected.floor)
+FLOOR_READ_SECONDS = 5.0
+
 #: statements that go through an enlisted application transaction, if there is one
 _PUBLISHES = frozenset({"publish", "publish_many", "publish_routed"})
 
@@ -49,7 +53,7 @@ PUBLISH_BYTES_PER_SECOND = 4 << 20
 #: what one publish attempt runs, each bounded by the publish_timeout option too
 #: (publish_many, which may carry a big batch, keeps statement_timeout alone)
 _PUBLISH_ATTEMPT = frozenset(
-    {"publish", "publish_routed", "declare_queue", "declare_exchange", "bind"}
+    {"publish", "publish_routed", "declare_queue", "declare_exchange", "bind", "generation_floor"}
 )
 
 
@@ -75,6 +79,19 @@ class Connected:
         self._pool: ConnectionPool | None = None
         self._pid = os.getpid()
         self._database: transactions.Database | None = None
+        # the oldest generation that may hold a message, as last read (0: all of them)
+        self._floor = 0
+        self._floor_read = -FLOOR_READ_SECONDS
+
+    @property
+    def floor(self) -> int:
+        """The oldest generation that may hold a message, as this process last read it:
+        statements on messages take it as ``%(floor)s`` and skip the generations before
+        it without opening them (see the top of sql/queries.sql). It only grows, so a
+        value read a few seconds ago is safe; :meth:`_rows` reads it again every
+        FLOOR_READ_SECONDS, and statements sent otherwise (the loop's claims, pipelined
+        publishes) take the value it read."""
+        return self._floor
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -155,6 +172,9 @@ class Connected:
     def _rows(
         self, name: str, params: dict[str, Any], *, prepare: bool | None = None
     ) -> list[tuple[Any, ...]]:
+        own_floor = "floor" not in params
+        if own_floor:
+            params["floor"] = self._floor
         if name in _PUBLISHES:
             enlisted = transactions.current()
             # notify only a queue somebody waits for, unless in an application's
@@ -176,6 +196,12 @@ class Connected:
         while True:
             try:
                 with self._connection(name, size) as conn:
+                    if time.monotonic() - self._floor_read >= FLOOR_READ_SECONDS:
+                        # on this connection and under this statement's deadline: its
+                        # failure is the statement's
+                        self._read_floor(conn)
+                        if own_floor:
+                            params["floor"] = self._floor
                     cur = conn.execute(self._q[name], params, prepare=prepare)
                     # the result's status, not cur.description (which builds a Column per
                     # column)
@@ -190,6 +216,27 @@ class Connected:
                 if retried or name not in _FENCED:
                     raise
                 retried = True
+
+    def _read_floor(self, conn: psycopg.Connection) -> None:
+        row = conn.execute(self._q["generation_floor"]).fetchone()
+        if row is not None:
+            self._floor = max(self._floor, int(row[0]))
+        self._floor_read = time.monotonic()
+
+    def read_floor(self, *, now: bool = False) -> None:
+        """Read :attr:`floor` again if FLOOR_READ_SECONDS have passed (or ``now``: the
+        rotation moved it), for statements sent otherwise than through :meth:`_rows`
+        (pipelined publishes, the loop's claims). A failure leaves the value as it was:
+        the statement that follows meets it too."""
+        if not now and time.monotonic() - self._floor_read < FLOOR_READ_SECONDS:
+            return
+        self._floor_read = time.monotonic()
+        try:
+            row = self._one("generation_floor", {})
+        except Exception:  # noqa: BLE001 - the publish that follows says what is wrong
+            return
+        if row is not None:
+            self._floor = max(self._floor, int(row[0]))
 
     def _one(self, name: str, params: dict[str, Any]) -> tuple[Any, ...] | None:
         rows = self._rows(name, params)

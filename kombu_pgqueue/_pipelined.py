@@ -121,6 +121,7 @@ class Pipeline:
     def publish(self, message: Outgoing, *, replace: bool = False) -> None:
         """Send what :meth:`Store.publish` runs, without waiting for it."""
         sent = Sent("publish", message.queue, "", "", message.dedup_key)
+        self._store.read_floor()
         self._publish(sent, self._store.publish_params(message, replace=replace))
 
     def publish_routed(

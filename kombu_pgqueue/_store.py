@@ -76,6 +76,7 @@ class Store(Connected):
             **self._handoff_params(message),
             "replace": replace,
             "channel": self.options.channel,
+            "floor": self.floor,
         }
 
     def routed_params(self, exchange: str, routing_key: str, message: Outgoing) -> dict[str, Any]:
@@ -203,6 +204,7 @@ class Store(Connected):
             "after_priority": None if after is None else after[0],
             "after_id": None if after is None else after[1],
             "synchronous_commit": "off" if self.options.relax_consumer_commits else None,
+            "floor": self.floor,
         }
         statement = "claim" if after is None else "claim_after"
         return ClaimRequest(queue, limit, lease, statement, params, after)
@@ -314,7 +316,9 @@ class Store(Connected):
                     break
                 if name == "empty":
                     emptied += 1
-        return Rotation(rotated, moved, emptied, step("drop").dropped)
+        dropped = step("drop").dropped
+        self.read_floor(now=True)  # the drain step may have moved it
+        return Rotation(rotated, moved, emptied, dropped)
 
     # -- queues, exchanges, bindings ---------------------------------------------
 

@@ -7,13 +7,10 @@
 -- here: the commit that deletes the row also holds the task's own writes. The row stays
 -- locked until that transaction ends, so no claim takes it meanwhile (SKIP LOCKED); a
 -- claim that locked it first and leased it anew makes this delete find nothing.
-DELETE FROM {schema}.message_store
-WHERE id = %(id)s
-  AND lease = %(lease)s
-  -- the live generations only (see the top of queries.sql)
-  AND gen BETWEEN (SELECT r.oldest FROM {schema}.rotation AS r)
-              AND (SELECT s.last_value FROM {schema}.generation_seq AS s)
-RETURNING id;
+-- (function delete_delivery, migration 0013: the live generations only, see the top of
+-- queries.sql)
+SELECT %(id)s::bigint AS id
+WHERE {schema}.delete_delivery(%(id)s, %(lease)s);
 
 -- name: delivery_holder :one
 -- Why an ack_in_transaction found nothing, for the log line: the row is gone (acked by

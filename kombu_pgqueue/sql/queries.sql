@@ -28,10 +28,13 @@
 -- random token (column queue.token), and a handed-off message as %(sealed)s, sealed by
 -- the publishing client with the schema's key (table handoff_key; _handoffs.seal).
 
--- Generations (migration 0012): a statement on held messages (ack, renewal, release,
--- requeue, reject) reads only the generations from rotation.oldest to the current one
--- (the sequence's last value): not the drained ones before, nor the empty one attached
--- ahead. Sub-selects, so the pruning happens as the statement runs, in any plan.
+-- Generations (migration 0012): a statement on messages reads only the generations from
+-- %(floor)s on: rotation.oldest as the client last read it (statement generation_floor;
+-- it only grows, so an older value is safe, and reads a generation or two more). A
+-- parameter, not a sub-select, so that the drained generations are pruned before the
+-- statement starts, in any plan: pruned by a sub-select's value, each would still be
+-- opened and set up, and a pg_dump that keeps them from being dropped made every claim
+-- and publish pay for all of them (65 generations: a claim's candidates took 4x as long).
 
 -- name: publish :one
 -- One message. A due message wakes consumers ('r:' + the queue's token, column
@@ -129,6 +132,7 @@ replaced AS (
     WHERE %(replace)s::boolean
       AND m.queue = %(queue)s
       AND m.dedup_key = %(dedup_key)s
+      AND m.gen >= %(floor)s::bigint  -- see the top
       AND (m.lease IS NULL OR m.next_iteration <= now())
     RETURNING m.id, m.delayed, m.next_iteration, m.lease
 ),
@@ -387,10 +391,8 @@ WITH candidate AS MATERIALIZED (
     SELECT id, attempts, gen
     FROM {schema}.message_store
     WHERE queue = %(queue)s
-      -- generations that hold nothing live are skipped, not walked (migration 0012):
-      -- sub-selects, so the pruning happens as the statement runs, in any plan
-      AND gen >= (SELECT r.oldest FROM {schema}.rotation AS r)
-      AND gen <= (SELECT s.last_value FROM {schema}.generation_seq AS s)
+      -- generations that hold nothing live are skipped, not walked (see the top)
+      AND gen >= %(floor)s::bigint
       AND NOT delayed
       AND next_iteration <= coalesce(%(now)s::timestamptz, now())
       AND (expires_at IS NULL OR expires_at > coalesce(%(now)s::timestamptz, now()))
@@ -415,7 +417,8 @@ exhausted AS (
               SELECT c.id FROM candidate AS c WHERE c.attempts >= %(max_attempts)s
           ))
       -- only the generations the candidates are in
-      AND m.gen BETWEEN (SELECT min(gen) FROM candidate) AND (SELECT max(gen) FROM candidate)
+      AND m.gen >= %(floor)s::bigint
+  AND m.gen BETWEEN (SELECT min(gen) FROM candidate) AND (SELECT max(gen) FROM candidate)
     RETURNING m.id, m.queue, m.priority, m.attempts, m.created_at, m.dedup_key, m.body,
               m.content_type, m.content_encoding, m.headers, m.properties
 ),
@@ -439,7 +442,8 @@ leased AS (
     WHERE m.id = ANY(ARRAY(
               SELECT c.id FROM candidate AS c WHERE c.attempts < %(max_attempts)s
           ))
-      AND m.gen BETWEEN (SELECT min(gen) FROM candidate) AND (SELECT max(gen) FROM candidate)
+      AND m.gen >= %(floor)s::bigint
+  AND m.gen BETWEEN (SELECT min(gen) FROM candidate) AND (SELECT max(gen) FROM candidate)
     RETURNING m.id, m.priority, m.attempts, m.body, m.content_type,
               m.content_encoding, m.headers, m.properties
 )
@@ -474,8 +478,7 @@ WITH candidate AS MATERIALIZED (
     FROM {schema}.message_store
     WHERE queue = %(queue)s
       -- as claim's
-      AND gen >= (SELECT r.oldest FROM {schema}.rotation AS r)
-      AND gen <= (SELECT s.last_value FROM {schema}.generation_seq AS s)
+      AND gen >= %(floor)s::bigint
       AND NOT delayed
       AND next_iteration <= coalesce(%(now)s::timestamptz, now())
       AND (expires_at IS NULL OR expires_at > coalesce(%(now)s::timestamptz, now()))
@@ -486,6 +489,7 @@ WITH candidate AS MATERIALIZED (
 DELETE FROM {schema}.message_store AS m
 -- as claim's exhausted
 WHERE m.id = ANY(ARRAY(SELECT id FROM candidate))
+  AND m.gen >= %(floor)s::bigint
   AND m.gen BETWEEN (SELECT min(gen) FROM candidate) AND (SELECT max(gen) FROM candidate)
 RETURNING m.id, m.priority, m.attempts + 1, m.body, m.content_type,
           m.content_encoding, m.headers::text, m.properties::text;
@@ -496,8 +500,7 @@ DELETE FROM {schema}.message_store
 WHERE id = %(id)s
   AND lease = %(lease)s
   -- the live generations only (see the top of this file)
-  AND gen BETWEEN (SELECT r.oldest FROM {schema}.rotation AS r)
-              AND (SELECT s.last_value FROM {schema}.generation_seq AS s)
+  AND gen >= %(floor)s::bigint
   -- relax_consumer_commits: 'off' here spares this commit the WAL flush wait; a crash
   -- can then forget it, which only delivers a message again (NULL: the server's setting)
   AND (SELECT set_config('synchronous_commit',
@@ -518,8 +521,7 @@ WHERE m.id = held.id
   AND m.id = ANY(%(ids)s::bigint[])
   AND m.lease = held.lease
   -- the live generations only (see the top of this file)
-  AND m.gen BETWEEN (SELECT r.oldest FROM {schema}.rotation AS r)
-              AND (SELECT s.last_value FROM {schema}.generation_seq AS s)
+  AND m.gen >= %(floor)s::bigint
   -- relax_consumer_commits: 'off' here spares this commit the WAL flush wait; a crash
   -- can then forget it, which only delivers a message again (NULL: the server's setting)
   AND (SELECT set_config('synchronous_commit',
@@ -535,8 +537,7 @@ SET next_iteration = coalesce(%(now)s::timestamptz, now()),
 WHERE id = %(id)s
   AND lease = %(lease)s
   -- the live generations only (see the top of this file)
-  AND gen BETWEEN (SELECT r.oldest FROM {schema}.rotation AS r)
-              AND (SELECT s.last_value FROM {schema}.generation_seq AS s)
+  AND gen >= %(floor)s::bigint
   -- relax_consumer_commits: 'off' here spares this commit the WAL flush wait; a crash
   -- can then forget it, which only delivers a message again (NULL: the server's setting)
   AND (SELECT set_config('synchronous_commit',
@@ -559,8 +560,7 @@ WITH released AS (
       AND m.id = ANY(%(ids)s::bigint[])
       AND m.lease = held.lease
       -- the live generations only (see the top of this file)
-      AND m.gen BETWEEN (SELECT r.oldest FROM {schema}.rotation AS r)
-                  AND (SELECT s.last_value FROM {schema}.generation_seq AS s)
+      AND m.gen >= %(floor)s::bigint
       -- relax_consumer_commits: 'off' here spares this commit the WAL flush wait; a crash
       -- can then forget it, which only delivers a message again (NULL: the server's setting)
       AND (SELECT set_config('synchronous_commit',
@@ -578,8 +578,7 @@ WITH gone AS (
     WHERE id = %(id)s
       AND lease = %(lease)s
       -- the live generations only (see the top of this file)
-      AND gen BETWEEN (SELECT r.oldest FROM {schema}.rotation AS r)
-                  AND (SELECT s.last_value FROM {schema}.generation_seq AS s)
+      AND gen >= %(floor)s::bigint
       -- relax_consumer_commits: 'off' here spares this commit the WAL flush wait; a crash
       -- can then forget it, which only delivers a message again (NULL: the server's setting)
       AND (SELECT set_config('synchronous_commit',
@@ -614,8 +613,7 @@ WHERE m.id = held.id
   AND m.id = ANY(%(ids)s::bigint[])
   AND m.lease = held.lease
   -- the live generations only (see the top of this file)
-  AND m.gen BETWEEN (SELECT r.oldest FROM {schema}.rotation AS r)
-              AND (SELECT s.last_value FROM {schema}.generation_seq AS s)
+  AND m.gen >= %(floor)s::bigint
   -- relax_consumer_commits: 'off' here spares this commit the WAL flush wait; a crash
   -- can then forget it, which only delivers a message again (NULL: the server's setting)
   AND (SELECT set_config('synchronous_commit',
@@ -633,6 +631,7 @@ WITH due AS MATERIALIZED (
     FROM {schema}.message_store
     WHERE delayed
       AND due_at <= coalesce(%(now)s::timestamptz, now())
+      AND gen >= %(floor)s::bigint  -- see the top
     ORDER BY due_at
     LIMIT 1000
     FOR UPDATE SKIP LOCKED
@@ -642,6 +641,7 @@ promoted AS (
     UPDATE {schema}.message_store AS m
     SET delayed = false
     WHERE m.id = ANY(ARRAY(SELECT id FROM due))
+      AND m.gen >= %(floor)s::bigint
     RETURNING m.queue
 ),
 woken AS MATERIALIZED (
@@ -664,7 +664,7 @@ WHERE EXISTS (
     SELECT 1
     FROM {schema}.message_store AS m
     WHERE m.queue = ready.queue
-      AND m.gen >= (SELECT r.oldest FROM {schema}.rotation AS r)  -- as claim's
+      AND m.gen >= %(floor)s::bigint  -- as claim's
       AND NOT m.delayed
       AND m.next_iteration <= coalesce(%(now)s::timestamptz, now())
       AND (m.expires_at IS NULL OR m.expires_at > coalesce(%(now)s::timestamptz, now()))
@@ -673,7 +673,8 @@ UNION ALL
 SELECT NULL, extract(EPOCH FROM min(m.due_at))::float8
 FROM {schema}.message_store AS m
 WHERE m.delayed
-  AND m.due_at > coalesce(%(now)s::timestamptz, now());
+  AND m.due_at > coalesce(%(now)s::timestamptz, now())
+  AND m.gen >= %(floor)s::bigint;
 
 -- name: sweep :one
 -- Garbage collection, run now and then by consumers: expired messages go (as on
@@ -683,6 +684,7 @@ WHERE m.delayed
 WITH expired_message AS (
     DELETE FROM {schema}.message_store
     WHERE expires_at <= coalesce(%(now)s::timestamptz, now())
+      AND gen >= %(floor)s::bigint
       AND (lease IS NULL OR next_iteration <= coalesce(%(now)s::timestamptz, now()))
     RETURNING id
 ),
@@ -710,6 +712,11 @@ SELECT
     (SELECT count(*) FROM expired_queue) AS expired_queues,
     (SELECT count(*) FROM unbound) AS bindings,
     (SELECT count(*) FROM emptied) AS queue_messages;
+
+-- name: generation_floor :one
+-- The oldest generation that may hold a message: what the client passes as %(floor)s
+-- (see the top) until it reads it again.
+SELECT oldest FROM {schema}.rotation;
 
 -- name: rotate :one
 -- One step of the storage's rotation, %(step)s, by whichever consumer calls first

@@ -15,6 +15,7 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import plans
 import psycopg
 import pytest
 from kombu import Connection, Consumer, Producer, Queue
@@ -159,6 +160,60 @@ def test_a_generation_a_reader_holds_a_lock_on_waits_for_it_and_claims_do_not(
     assert not _partition_exists(db, schema, 1)
     assert storage_waits(monitor.generations()) is None
     assert _metric(monitor, "pgqueue_storage_waiting_bytes") == 0
+
+
+#: what the statements that run for every message are given, beside the Store's own
+#: parameters (the queue of these tests, a lease, a message)
+_PER_MESSAGE = {
+    "claim": {"queue": QUEUE, "limit": 10, "max_attempts": 5, "lease_seconds": 60.0},
+    "ack_many": {"ids": [1, 2], "leases": [7, 7]},
+    "renew": {"ids": [1, 2], "leases": [7, 7], "lease_seconds": 60.0},
+    "poll": {"queues": [QUEUE], "check": [QUEUE]},
+    "publish": {"queue": QUEUE, "priority": 0, "body": b"x", "headers": "{}", "properties": "{}"},
+}
+
+
+@pytest.mark.parametrize("name", sorted(_PER_MESSAGE))
+def test_statements_leave_the_generations_a_dump_keeps_unopened(
+    rotating: Connection, holder: psycopg.Connection, db: psycopg.Connection, schema: str, name: str
+) -> None:
+    """A pg_dump keeps the drained generations from being dropped until it ends. The
+    statements that run for every message skip them before they start, in the generic
+    plan a prepared statement settles on: their cost does not grow with the dump."""
+    store = _store(rotating)
+    with holder.transaction():
+        holder.execute(
+            sql.SQL("LOCK TABLE {} IN ACCESS SHARE MODE").format(
+                sql.Identifier(schema, "message_store")
+            )
+        )
+        for _ in range(8):
+            _publish(rotating, 1)
+            store.rotate()
+            assert _drain(rotating) == [{"i": 0}]
+        generations = _generations(db, schema)
+        live = {g for g, state in generations.items() if state in ("live", "current", "next")}
+        assert len(generations) - len(live) >= 5  # drained or emptied, none dropped
+
+        text, keys = store.positional(name)
+        params = {k: None for k in keys} | {"channel": "c", "floor": store.floor}
+        params |= {"synchronous_commit": None, "lease": 7} | _PER_MESSAGE[name]
+        db.execute("SET plan_cache_mode = force_generic_plan")
+        db.execute(b"PREPARE per_message AS " + text)
+        try:
+            values = sql.SQL(", ").join(sql.Literal(params[k]) for k in keys)
+            explain = sql.SQL("EXPLAIN (FORMAT JSON) EXECUTE per_message({})").format(values)
+            row = db.execute(explain).fetchone()
+        finally:
+            db.execute("DEALLOCATE per_message")
+            db.execute("RESET plan_cache_mode")
+    assert row is not None
+    read = {
+        int(node["Relation Name"].rsplit("_", 1)[1])
+        for node in plans.nodes(row[0][0]["Plan"])
+        if node.get("Relation Name", "").startswith("message_store_")
+    }
+    assert read and read <= live, f"{name} opens generations {sorted(read - live)}"
 
 
 def _metric(monitor: Monitor, name: str) -> float:
