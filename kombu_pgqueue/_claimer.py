@@ -51,7 +51,7 @@ _CLAIM_COLUMN_TYPES = (20, 21, 23, 17, 25, 25, 25, 25, 701, 16)  # int8 int2 int
 #: the column that marks a message the claim moved to the dead letters (no body)
 _DEAD = 9
 
-#: the statements a claimer sends (see Store.claim_params)
+#: the statements a claimer sends (see Store.claim_request)
 CLAIM_STATEMENTS = ("claim", "claim_after")
 
 

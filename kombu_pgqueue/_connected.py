@@ -225,9 +225,9 @@ class Connected:
 
     def read_floor(self, *, now: bool = False) -> None:
         """Read :attr:`floor` again if FLOOR_READ_SECONDS have passed (or ``now``: the
-        rotation moved it), for statements sent otherwise than through :meth:`_rows`
-        (pipelined publishes, the loop's claims). A failure leaves the value as it was:
-        the statement that follows meets it too."""
+        rotation moved it: :meth:`Store.rotate`), for statements sent otherwise than
+        through :meth:`_rows` (pipelined publishes). A failure leaves the value as it
+        was: the statement that follows meets it too."""
         if not now and time.monotonic() - self._floor_read < FLOOR_READ_SECONDS:
             return
         self._floor_read = time.monotonic()

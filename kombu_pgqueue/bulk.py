@@ -5,8 +5,9 @@
     with kombu.Connection("pgqueue://app@db/app") as conn:
         kombu_pgqueue.bulk.publish_many(conn, ({"n": i} for i in range(100_000)), "jobs")
 
-One INSERT per ``batch_size`` messages and one NOTIFY per queue and batch, instead
-of a round trip and a commit per message.
+One COPY per ``batch_size`` messages on the broker's own connections (an INSERT inside
+an enlisted application transaction) and one NOTIFY per queue and batch, instead of a
+round trip and a commit per message.
 """
 
 from __future__ import annotations

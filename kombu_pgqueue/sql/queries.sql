@@ -449,7 +449,7 @@ leased AS (
 )
 SELECT id, priority, attempts, body, content_type, content_encoding,
        headers::text, properties::text,
-       -- seconds this statement took in the server, for Channel.claimed (a slow head);
+       -- seconds this statement took in the server, for Consumer.claimed (a slow head);
        -- the client's own clock would also count the time until it read the answer
        extract(EPOCH FROM clock_timestamp() - statement_timestamp())::float8 AS took,
        false AS dead
@@ -464,7 +464,7 @@ ORDER BY dead, priority DESC, id;
 -- name: claim_after :many
 -- extends: claim
 -- The claim of a consumer that resumes after its last claimed message (same priority,
--- larger id; see Channel._claim): this condition in place of claim's {position}. It is
+-- larger id; see _resume.ResumePositions): this condition in place of claim's {position}. It is
 -- part of the index condition even in the generic plan of the prepared statement, so
 -- the scan starts there, past acked rows that an old snapshot keeps VACUUM from
 -- removing, and nothing is planned per claim.
@@ -969,8 +969,8 @@ WHERE name = ANY(%(queues)s::text[])
 -- name: copy_direct :none
 -- A bulk load's fast path, straight into the queue table: for messages without an
 -- ETA, into queues without a TTL, whose defaults (visible now, not delayed) are
--- right. A taken dedup key fails the whole COPY (unique_violation); the caller then
--- loads the same rows through the staging table, which skips taken keys.
+-- right. A row whose dedup key is taken does not go in: trigger dedup_claim
+-- (migration 0011) skips it, and the rest of the COPY goes on.
 COPY {schema}.message_store (
     queue, priority, expires_at, dedup_key,
     body, content_type, content_encoding, headers, properties
