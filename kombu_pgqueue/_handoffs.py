@@ -8,7 +8,7 @@ that may connect may LISTEN on the channel, so the message travels sealed: AES-2
 0010), which only roles granted the broker's tables may read. The publishing client
 seals before it knows whether anybody waits (its statement picks the consumer), which
 costs it a few microseconds; opening one costs the consumer as little, where fetching
-the row by its id instead would cost a round trip (benchmarks/RESULTS.md).
+the row by its id instead would cost a round trip (benchmarks/HISTORY.md).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 A publish that waits for its commit spends most of its time waiting: with
 ``synchronous_commit: "off"`` an ``apply_async`` cost 380-440 us of waiting for the
 server on top of ~260 us of Celery, Kombu and pgqueue, where RabbitMQ without
-confirms writes a frame to its socket (92 us) and returns (benchmarks/RESULTS.md).
+confirms writes a frame to its socket (92 us) and returns (benchmarks/HISTORY.md).
 Here a publish outside an application's transaction is sent on a connection of the
 process's own in libpq's pipeline mode, each statement followed by a sync (so each is
 its own autocommit transaction, as on the pool), and the call returns once the
