@@ -79,8 +79,11 @@ class Connected:
         self._pool: ConnectionPool | None = None
         self._pid = os.getpid()
         self._database: transactions.Database | None = None
-        # the oldest generation that may hold a message, as last read (0: all of them)
+        # the oldest generation that may hold a message, as last read (0: all of them);
+        # how many generations existed then, and the current one's bytes (Store.rotate)
         self._floor = 0
+        self.generations = 0
+        self.current_bytes = 0
         self._floor_read = -FLOOR_READ_SECONDS
 
     @property
@@ -218,10 +221,14 @@ class Connected:
                 retried = True
 
     def _read_floor(self, conn: psycopg.Connection) -> None:
-        row = conn.execute(self._q["generation_floor"]).fetchone()
+        self._note_floor(conn.execute(self._q["generation_floor"]).fetchone())
+        self._floor_read = time.monotonic()
+
+    def _note_floor(self, row: tuple[Any, ...] | None) -> None:
         if row is not None:
             self._floor = max(self._floor, int(row[0]))
-        self._floor_read = time.monotonic()
+            self.generations = int(row[1])
+            self.current_bytes = int(row[2] or 0)
 
     def read_floor(self, *, now: bool = False) -> None:
         """Read :attr:`floor` again if FLOOR_READ_SECONDS have passed (or ``now``: the
@@ -235,8 +242,7 @@ class Connected:
             row = self._one("generation_floor", {})
         except Exception:  # noqa: BLE001 - the publish that follows says what is wrong
             return
-        if row is not None:
-            self._floor = max(self._floor, int(row[0]))
+        self._note_floor(row)
 
     def _one(self, name: str, params: dict[str, Any]) -> tuple[Any, ...] | None:
         rows = self._rows(name, params)

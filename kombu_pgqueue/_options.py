@@ -48,6 +48,12 @@ Transport options
 * ``generation_dead_rows`` (int, 100000): a new generation sooner (after
   ``rotate_interval`` at the least) once the current one holds this many dead rows that
   VACUUM cannot remove, because a snapshot older than them is held.
+* ``generation_max_bytes`` (int, 67108864: 64 MiB): a new generation at the next
+  rotation once the current one, its table and indexes, is larger. A generation that
+  filled while a snapshot was held keeps its size after VACUUM made its dead rows free
+  space, which the dead rows' count no longer shows; it is emptied once it drains.
+  While generations wait to be dropped (a pg_dump holds them), this and
+  ``generation_dead_rows`` double for every 16 of them beyond 4.
 * ``listen`` (bool, True): wait on LISTEN/NOTIFY. Turn off behind PgBouncer in
   transaction mode (then also set ``prepare_threshold`` to None).
 * ``handoff`` (bool, True): a publish to a queue a consumer waits for leases the message
@@ -156,6 +162,7 @@ class Options:
     rotate_interval: float = 5.0
     generation_max_age: float = 600.0
     generation_dead_rows: int = 100_000
+    generation_max_bytes: int = 64 << 20
     listen: bool = True
     handoff: bool = True
     batch_acks: bool = True
@@ -328,7 +335,12 @@ def parse_options(transport_options: Mapping[str, Any]) -> Options:
         kwargs["lease_renewal_interval"] = _number(
             "lease_renewal_interval", topts["lease_renewal_interval"], minimum=0.05
         )
-    for name, minimum in (("max_attempts", 0), ("pool_max_size", 2), ("generation_dead_rows", 1)):
+    for name, minimum in (
+        ("max_attempts", 0),
+        ("pool_max_size", 2),
+        ("generation_dead_rows", 1),
+        ("generation_max_bytes", 1),
+    ):
         if topts.get(name) is not None:
             kwargs[name] = _number(name, topts[name], minimum=minimum, integer=True)
     if "prepare_threshold" in topts:

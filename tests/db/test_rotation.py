@@ -216,6 +216,64 @@ def test_statements_leave_the_generations_a_dump_keeps_unopened(
     assert read and read <= live, f"{name} opens generations {sorted(read - live)}"
 
 
+def _rotation_due(db: psycopg.Connection, schema: str) -> None:
+    """Until 0.1 s (rotate_interval) have passed since the last rotation."""
+    age = sql.SQL("SELECT now() - rotated_at >= interval '0.1 s' FROM {}").format(
+        sql.Identifier(schema, "rotation")
+    )
+    wait_for(lambda: db.execute(age).fetchone()[0], 5, "a rotation to be due")  # type: ignore[index]
+
+
+def _current(db: psycopg.Connection, schema: str) -> int:
+    return next(g for g, state in _generations(db, schema).items() if state == "current")
+
+
+def test_an_oversized_generation_starts_the_next_and_waits_longer_while_many_are_held(
+    make_connection: Callable[..., Connection],
+    holder: psycopg.Connection,
+    db: psycopg.Connection,
+    schema: str,
+) -> None:
+    """A generation that grew while a snapshot was held keeps its size after VACUUM (its
+    dead rows become free space, no longer counted as dead): past generation_max_bytes
+    the next one starts at once, and this one is emptied when it drains. While a lock
+    holder keeps generations from being dropped, each new one waits for more."""
+    rotating = make_connection(generation_max_age=0)
+    Queue(QUEUE, channel=rotating.default_channel).declare()
+    _publish(rotating, 400)
+    grown = _bytes(db, schema, 1)
+    assert len(_drain(rotating)) == 400
+    # a rotation every 0.1 s at most, and every hour by age
+    sized = make_connection(
+        generation_max_bytes=int(grown * 0.7), generation_max_age=3600, rotate_interval=0.1
+    )
+    store = _store(sized)
+    store.rotate()  # reads the current generation's bytes
+    _rotation_due(db, schema)
+    store.rotate()
+    assert _current(db, schema) == 2  # started for its size, not its age
+
+    with holder.transaction():
+        holder.execute(
+            sql.SQL("LOCK TABLE {} IN ACCESS SHARE MODE").format(
+                sql.Identifier(schema, "message_store")
+            )
+        )
+        for _ in range(22):  # generations the lock keeps: 24 or more in all
+            _store(rotating).rotate()
+        assert len(_generations(db, schema)) >= 24
+        current = _current(db, schema)
+        _publish(rotating, 400)  # the size that started one before
+        store.rotate()
+        _rotation_due(db, schema)
+        store.rotate()
+        assert _current(db, schema) == current  # now it waits for more than twice that
+        _publish(rotating, 1200)
+        store.rotate()
+        store.rotate()
+        assert _current(db, schema) == current + 1
+
+
 def _metric(monitor: Monitor, name: str) -> float:
     collector = PgQueueCollector(monitor, counters=False, min_interval=0)
     found = [s.value for m in collector.collect() for s in m.samples if s.name == name]
