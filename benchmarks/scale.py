@@ -71,7 +71,6 @@ _SWAPPED = ("publish", "publish_routed")
 
 def strip_notify(schema: str, notify: bool) -> None:
     """Make this process's publishes to ``schema`` notify (as shipped) or not."""
-    from psycopg import sql
 
     from kombu_pgqueue import _sql
 
@@ -79,7 +78,7 @@ def strip_notify(schema: str, notify: bool) -> None:
     raw = _sql.raw_queries()
     for name in _SWAPPED:
         text = raw[name] if notify else without_notify(raw[name])
-        cache[name] = sql.SQL(text).format(schema=sql.Identifier(schema))
+        cache[name] = _sql.compose(text, schema)
 
 
 # -- CPU from /proc ------------------------------------------------------------------------------

@@ -94,7 +94,7 @@ def configure(
     ``pgqueue+postgresql://...`` and a failover list ``pgqueue://a/db;pgqueue://b/db``,
     whose first URL then holds the results). ``transport_options`` are pgqueue's
     (``schema``, ``visibility_timeout``, ``max_attempts``, ...; see
-    :mod:`kombu_pgqueue.transport`); libpq keywords among them (``sslmode``, ...) apply
+    docs/configuration.md, "Transport options"); libpq keywords among them (``sslmode``, ...) apply
     to the results' connections too. Tasks that fail for good are kept in the dead
     letters for 7 days (the settings ``pgqueue_keep_failed`` and
     ``pgqueue_keep_failed_for``; see :mod:`celery_pgqueue.archive`):

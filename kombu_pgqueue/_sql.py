@@ -2,7 +2,8 @@
 
 Each statement is written once, under a ``-- name: <name> :<kind>`` header, with
 ``{schema}`` where the schema goes. :func:`queries` composes them for one schema
-with :class:`psycopg.sql.Identifier`, so a schema name can never be read as SQL.
+with :class:`psycopg.sql.Identifier`, so a schema name can never be read as SQL, and
+the advisory locks' keys (:data:`LOCKS`) by name.
 """
 
 from __future__ import annotations
@@ -20,6 +21,22 @@ _HEADER = re.compile(r"^-- name: (?P<name>\w+) :(?P<kind>one|many|none)\s*$", re
 _EXTENDS = re.compile(r"\A-- extends: (?P<base>\w+)\s*$", re.MULTILINE)
 _SLOT = "{position}"
 _COMMENT = re.compile(r"^\s*--.*$\n?", re.MULTILINE)
+
+#: The first key of each of the broker's advisory locks ('pgq' and a letter, as four
+#: bytes; the second key is a hash of what is locked), written ``{lock_...}`` in the
+#: statements and migrations, which are composed with these.
+LOCKS = {
+    # 'pgqC': a consumer's LISTEN session holds (consumer) while it lives (migration 0009)
+    "lock_consumer": 0x70677143,
+    # 'pgqP': a publish that looked for a waiting consumer, (channel:queue) shared until
+    # its commit (migration 0007, see the top of sql/queries.sql)
+    "lock_publishing": 0x70677150,
+    # 'pgqR': the rotation of one schema (schema), one process at a time (migration 0012)
+    "lock_rotation": 0x70677152,
+    # 'pgqW': a consumer waits for a queue, (channel:queue) (statement watch)
+    "lock_waiting": 0x70677157,
+}
+_LOCK_LITERALS = {name: sql.Literal(key) for name, key in LOCKS.items()}
 
 
 def _named(text: str, source: str, found: dict[str, str]) -> None:
@@ -95,7 +112,8 @@ def queries(schema: str) -> dict[str, sql.Composed]:
     """Return every named statement composed for ``schema``, compacted (:func:`compact`)."""
     ident = sql.Identifier(schema)
     return {
-        name: sql.SQL(compact(text)).format(schema=ident) for name, text in raw_queries().items()
+        name: sql.SQL(compact(text)).format(schema=ident, **_LOCK_LITERALS)
+        for name, text in raw_queries().items()
     }
 
 
@@ -134,4 +152,4 @@ def migration_files() -> list[tuple[int, str, str]]:
 
 def compose(text: str, schema: str) -> sql.Composed:
     """Compose a migration's text for ``schema``."""
-    return sql.SQL(text).format(schema=sql.Identifier(schema))
+    return sql.SQL(text).format(schema=sql.Identifier(schema), **_LOCK_LITERALS)

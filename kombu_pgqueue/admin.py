@@ -148,7 +148,7 @@ class Broker:
     ``Broker(dsn, **transport_options)``: ``dsn`` is a libpq URL or key=value string, or a
     ``pgqueue://`` broker URL; ``transport_options`` are the transport's (``schema``,
     ``auto_migrate``, ``pool_max_size``, libpq keywords such as ``sslmode`` ...; see
-    :mod:`kombu_pgqueue.transport`).
+    docs/configuration.md, "Transport options").
 
     Each method runs one statement on a pooled connection and commits it; nothing holds a
     transaction open between calls, and a Broker may be shared by threads. Publishes

@@ -35,7 +35,7 @@ transport options or after ``pgqueue+``. Apps that cannot import
 ``kombu_pgqueue`` before connecting set
 ``broker_transport = "kombu_pgqueue.transport:Transport"``.
 
-Every transport option is documented in :mod:`kombu_pgqueue._options`.
+Every transport option is documented in docs/configuration.md ("Transport options").
 """
 
 from __future__ import annotations
@@ -227,6 +227,12 @@ class Channel(virtual.Channel):
     def _outgoing(self, queue: str, message: dict[str, Any]) -> Outgoing:
         return codec.outgoing(queue, message, task_keys=self._task_keys)
 
+    def _unconfirmed(self) -> _pipelined.Pipeline | None:
+        """Where a publish goes that is sent without waiting for the server (option
+        confirm_publish off, outside an application's transaction); None: the publish
+        waits for its commit."""
+        return None if self._confirm else _pipelined.unconfirmed(self.store)
+
     def basic_publish(
         self, message: dict[str, Any], exchange: str, routing_key: str, **kwargs: Any
     ) -> None:
@@ -235,8 +241,8 @@ class Channel(virtual.Channel):
             check_name("exchange", exchange)
             key = check_name("routing key", routing_key or "")
             outgoing = self._outgoing("", message)
-            unconfirmed = None if self._confirm else _pipelined.unconfirmed(self.store)
-            if unconfirmed is not None:  # confirm_publish=False: sent without waiting
+            unconfirmed = self._unconfirmed()
+            if unconfirmed is not None:
                 unconfirmed.publish_routed(exchange, key, outgoing, message, self._unroutable)
             elif self.store.publish_routed(exchange, key, outgoing) is None:
                 self._unroutable.report(exchange, key, message)
@@ -261,7 +267,7 @@ class Channel(virtual.Channel):
             message.get("properties", {}).get("dedup_replace")
             or (message.get("headers") or {}).get("dedup_replace")
         )
-        unconfirmed = None if self._confirm else _pipelined.unconfirmed(self.store)
+        unconfirmed = self._unconfirmed()
         if unconfirmed is not None:
             unconfirmed.publish(outgoing, replace=replace)  # a skip is logged when read
         elif self.store.publish(outgoing, replace=replace) is None:

@@ -18,6 +18,7 @@ import psycopg
 from psycopg import sql
 
 from kombu_pgqueue._options import notify_channel
+from kombu_pgqueue._sql import LOCKS
 
 from . import ledger, procs
 from .celery_scenarios import _wait_drained
@@ -186,10 +187,10 @@ def _listeners(conn: psycopg.Connection, schema: str) -> list[int]:
     channel = notify_channel(schema)
     watched = sql.SQL(
         "SELECT DISTINCT l.pid FROM pg_locks AS l"
-        " WHERE l.locktype = 'advisory' AND l.classid = 1885827415 AND l.granted"
+        " WHERE l.locktype = 'advisory' AND l.classid = {lock} AND l.granted"
         " AND l.objid IN (SELECT ((hashtext(%s || ':' || q.name)::bigint + 4294967296)"
-        " %% 4294967296)::oid FROM {}.queue AS q)"
-    ).format(sql.Identifier(schema))
+        " %% 4294967296)::oid FROM {schema}.queue AS q)"
+    ).format(schema=sql.Identifier(schema), lock=sql.Literal(LOCKS["lock_waiting"]))
     return [r[0] for r in conn.execute(watched, (channel,))]
 
 

@@ -56,7 +56,7 @@ def main() -> None:
     q = _sql.queries(SCHEMA)
     texts: dict[str, Any] = {"handoff": q["publish"]}
     if base is not None:
-        texts["base"] = sql.SQL(base).format(schema=sql.Identifier(SCHEMA))
+        texts["base"] = _sql.compose(base, SCHEMA)
     message = Outgoing(
         queue=QUEUE,
         body=b'{"id": 0, "payload": "' + b"x" * 64 + b'"}',

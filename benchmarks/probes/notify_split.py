@@ -40,7 +40,6 @@ QUEUE = "probe_ns_q"
 
 def _publisher(dsn: str, variant: str, seconds: float, barrier: Any, out: Any) -> None:
     import psycopg
-    from psycopg import sql
 
     from benchmarks.scale import without_notify
     from kombu_pgqueue import _sql
@@ -50,7 +49,7 @@ def _publisher(dsn: str, variant: str, seconds: float, barrier: Any, out: Any) -
 
     raw = _sql.raw_queries()["publish"]
     text = raw if variant == "shipped" else without_notify(raw)
-    query = sql.SQL(text).format(schema=sql.Identifier(SCHEMA))
+    query = _sql.compose(text, SCHEMA)
     wake = "SELECT set_config('synchronous_commit', 'off', true), pg_notify(%s, %s)"
     channel = notify_channel(SCHEMA)
     payload = "r:" + legacy_token(QUEUE)

@@ -255,10 +255,7 @@ def statements_main() -> None:
     with psycopg.connect(DSN, autocommit=True, prepare_threshold=0) as conn:
         conn.execute("SET enable_seqscan = off")
         conn.execute("SET jit = off")
-        composed = {
-            k: psycopg.sql.SQL(v).format(schema=psycopg.sql.Identifier(SCHEMA))
-            for k, v in texts.items()
-        }
+        composed = {k: _sql.compose(v, SCHEMA) for k, v in texts.items()}
         for rnd in range(4):
             for commit in ("off", "on") if rnd % 2 == 0 else ("on", "off"):
                 conn.execute(f"SET synchronous_commit = {commit}")

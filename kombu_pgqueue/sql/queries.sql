@@ -5,9 +5,9 @@
 -- Time is a parameter (NULL = the server's clock), so tests move it instead of sleeping.
 --
 -- Publishes notify only a queue somebody waits for. A consumer's LISTEN session holds a
--- shared advisory lock on (1885827415 'pgqW', hashtext(channel || ':' || queue)) while it
+-- shared advisory lock on ({lock_waiting} 'pgqW', hashtext(channel || ':' || queue)) while it
 -- waits for the queue (statement watch). A publish with gate (function notify_wanted,
--- migration 0007) first takes (1885827408 'pgqP', the same key) shared until its
+-- migration 0007) first takes ({lock_publishing} 'pgqP', the same key) shared until its
 -- commit, and then tries that key of 'pgqW' exclusively (and lets go at once): if it
 -- can, nobody waits, and it sends no NOTIFY (whose commit would otherwise signal every
 -- listening session of the database, and hold the cluster's notify lock across its WAL
@@ -83,7 +83,7 @@ picked AS MATERIALIZED (
       AND %(gate)s::boolean
       AND coalesce(%(expires_at)s::timestamptz > now(), true)
       -- its LISTEN session holds this lock exclusively while it lives
-      AND NOT pg_try_advisory_xact_lock_shared(1885827395, hashtext(w.consumer))
+      AND NOT pg_try_advisory_xact_lock_shared({lock_consumer}, hashtext(w.consumer))
 ),
 target AS MATERIALIZED (
     -- NULL: nobody waits (no NOTIFY); '': wake every consumer; else the waiter's id,
@@ -307,7 +307,7 @@ picked AS MATERIALIZED (
       AND %(handoff)s::boolean
       AND %(gate)s::boolean
       AND coalesce(%(expires_at)s::timestamptz > now(), true)
-      AND NOT pg_try_advisory_xact_lock_shared(1885827395, hashtext(w.consumer))
+      AND NOT pg_try_advisory_xact_lock_shared({lock_consumer}, hashtext(w.consumer))
 ),
 waiting AS MATERIALIZED (
     -- as publish's target
@@ -1081,7 +1081,7 @@ WHERE d.datname = current_database();
 -- name: listener_alive :none
 -- A LISTEN session's mark that its consumer (the id it registers as a waiter) lives,
 -- until the session ends (see statement publish, migration 0009).
-SELECT pg_advisory_lock(1885827395, hashtext(%(consumer)s::text));
+SELECT pg_advisory_lock({lock_consumer}, hashtext(%(consumer)s::text));
 
 -- name: handoff_key :one
 -- The schema's key, which seals handoffs (migration 0010; _handoffs.seal): read once by
@@ -1098,7 +1098,7 @@ WITH gone AS (
     DELETE FROM {schema}.listener AS w
     WHERE w.queue = ANY(%(queues)s::text[])
       AND w.consumer <> %(consumer)s
-      AND pg_try_advisory_xact_lock_shared(1885827395, hashtext(w.consumer))
+      AND pg_try_advisory_xact_lock_shared({lock_consumer}, hashtext(w.consumer))
 ),
 joined AS (
     INSERT INTO {schema}.listener (queue, consumer, lease_seconds, secret)
@@ -1109,14 +1109,14 @@ joined AS (
 SELECT
     q.name,
     coalesce((SELECT t.token FROM {schema}.queue AS t WHERE t.name = q.name), ''),
-    pg_advisory_lock_shared(1885827415, hashtext(%(channel)s::text || ':' || q.name))
+    pg_advisory_lock_shared({lock_waiting}, hashtext(%(channel)s::text || ':' || q.name))
 FROM unnest(%(queues)s::text[]) AS q (name);
 
 -- name: watch_barrier :none
 -- Then waits for the publishes that looked for a waiting consumer before watch: they
 -- hold 'pgqP' shared until they commit. In key order, so that two consumers arming at
 -- once do not deadlock; the lock ends with this statement's own transaction.
-SELECT pg_advisory_xact_lock(1885827408, keys.k)
+SELECT pg_advisory_xact_lock({lock_publishing}, keys.k)
 FROM (
     SELECT DISTINCT hashtext(%(channel)s::text || ':' || q.name) AS k
     FROM unnest(%(queues)s::text[]) AS q (name)
@@ -1130,5 +1130,5 @@ WITH stopped AS (
     WHERE consumer = %(consumer)s
       AND queue = ANY(%(queues)s::text[])
 )
-SELECT pg_advisory_unlock_shared(1885827415, hashtext(%(channel)s::text || ':' || q.name))
+SELECT pg_advisory_unlock_shared({lock_waiting}, hashtext(%(channel)s::text || ':' || q.name))
 FROM unnest(%(queues)s::text[]) AS q (name);

@@ -27,6 +27,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from kombu_pgqueue import _counters
 from kombu_pgqueue._handoffs import seal, signature
 from kombu_pgqueue._listener import Wakeups, legacy_token
+from kombu_pgqueue._sql import LOCKS
 from kombu_pgqueue.records import Outgoing
 
 HOUR = 3600
@@ -198,7 +199,9 @@ def test_a_consumer_of_the_previous_version_is_never_handed_a_sealed_message(
     ):
         observer.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
         # as its LISTEN session does (statements listener_alive and watch of 0009)
-        old.execute("SELECT pg_advisory_lock(1885827395, hashtext(%s::text))", [consumer])
+        old.execute(
+            "SELECT pg_advisory_lock(%s, hashtext(%s::text))", [LOCKS["lock_consumer"], consumer]
+        )
         old.execute(
             sql.SQL(
                 "INSERT INTO {} (queue, consumer, lease_seconds, secret) VALUES (%s, %s, 60, 's')"
@@ -206,8 +209,8 @@ def test_a_consumer_of_the_previous_version_is_never_handed_a_sealed_message(
             [QUEUE, consumer],
         )
         old.execute(
-            "SELECT pg_advisory_lock_shared(1885827415, hashtext(%s::text || ':' || %s))",
-            [channel, QUEUE],
+            "SELECT pg_advisory_lock_shared(%s, hashtext(%s::text || ':' || %s))",
+            [LOCKS["lock_waiting"], channel, QUEUE],
         )
         Producer(connection).publish({"n": 1}, routing_key=QUEUE)
         heard = _heard(observer, db, channel)

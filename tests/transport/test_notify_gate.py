@@ -19,7 +19,7 @@ from kombu import Connection, Consumer, Exchange, Producer, Queue
 from psycopg import sql
 
 from kombu_pgqueue import bulk
-from kombu_pgqueue._sql import queries
+from kombu_pgqueue._sql import LOCKS, queries
 from kombu_pgqueue.records import Outgoing
 from tests.waiting import wait_for
 
@@ -129,7 +129,8 @@ def test_a_consumer_that_starts_while_a_publish_commits_gets_it_without_polling(
             wait_for(
                 lambda: watcher.execute(
                     "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'"
-                    " AND classid = 1885827408 AND NOT granted"
+                    " AND classid = %s AND NOT granted",
+                    [LOCKS["lock_publishing"]],
                 ).fetchone()[0],  # type: ignore[index]
                 timeout=10,
                 what="the consumer waiting for the publish in flight",

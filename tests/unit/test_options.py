@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import re
+from pathlib import Path
 
 import pytest
 from psycopg.conninfo import conninfo_to_dict
@@ -404,3 +406,16 @@ def test_check_schema_refuses_a_name_postgresql_reserves_in_one_line() -> None:
     # PostgreSQL's check is case-sensitive, on a quoted name
     assert check_schema("PG_jobs") == "PG_jobs"
     assert check_schema("jobs_pg_") == "jobs_pg_"
+
+
+def test_every_transport_option_is_documented_where_users_are_sent() -> None:
+    """docs/configuration.md lists the transport options, one place for all of them (the
+    README, the transport's docstring and the admin API send users there)."""
+    docs = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
+    listed = set(
+        re.findall(r"^- `(\w+)`", docs.read_text().split("\n## Transport options\n", 1)[1], re.M)
+    )
+    fields = {f.name for f in dataclasses.fields(Options)}
+    assert fields - listed == set(), "options not in docs/configuration.md"
+    # the names accepted beside the fields: libpq keywords, synchronous_commit (to libpq)
+    assert listed - fields <= {"libpq", "synchronous_commit"}, "documented, not an option"

@@ -22,6 +22,7 @@ from waiting import wait_for
 import kombu_pgqueue
 from celery_pgqueue.cli import parse_duration
 from kombu_pgqueue import admin, codec, migrations
+from kombu_pgqueue._sql import LOCKS
 
 pytestmark = pytest.mark.celery
 
@@ -320,9 +321,9 @@ def test_delete_leaves_a_queue_an_idle_consumer_waits_for(cli, sent, db, schema,
     # the queue's watch lock (see the top of sql/queries.sql), held while a consumer waits
     key = f"{admin.Broker(dsn, schema=schema).options.channel}:other"
     watches = sql.SQL(
-        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND classid = 1885827415 "
+        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND classid = {lock} "
         "AND objid = (hashtext({key})::bigint & 4294967295)::oid"
-    ).format(key=sql.Literal(key))
+    ).format(key=sql.Literal(key), lock=sql.Literal(LOCKS["lock_waiting"]))
     assert db.execute(watches).fetchone() == (0,)
     app = make_app(dsn, schema)
     try:

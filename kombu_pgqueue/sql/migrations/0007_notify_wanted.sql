@@ -13,10 +13,10 @@ VOLATILE
 AS $$
     SELECT CASE
         WHEN NOT gate THEN true
-        WHEN NOT pg_try_advisory_xact_lock_shared(1885827408, hashtext(channel || ':' || queue))
+        WHEN NOT pg_try_advisory_xact_lock_shared({lock_publishing}, hashtext(channel || ':' || queue))
             THEN true
-        WHEN pg_try_advisory_lock(1885827415, hashtext(channel || ':' || queue))
-            THEN NOT pg_advisory_unlock(1885827415, hashtext(channel || ':' || queue))
+        WHEN pg_try_advisory_lock({lock_waiting}, hashtext(channel || ':' || queue))
+            THEN NOT pg_advisory_unlock({lock_waiting}, hashtext(channel || ':' || queue))
         ELSE true
     END
 $$;

@@ -1,7 +1,7 @@
 -- Handoff (see the top of sql/queries.sql): a consumer that waits for a queue, and may
 -- take a message from it without a claim, has a row here, written by its LISTEN session
 -- (statement watch) and deleted when it stops waiting (unwatch). The session holds the
--- advisory lock (1885827395 'pgqC', hashtext(consumer)) for as long as it lives, so a
+-- advisory lock ({lock_consumer} 'pgqC', hashtext(consumer)) for as long as it lives, so a
 -- row whose lock is free is a consumer that is gone. Unlogged: after a crash the table
 -- is empty, and consumers, whose sessions that crash ended, register again.
 CREATE UNLOGGED TABLE {schema}.waiter (

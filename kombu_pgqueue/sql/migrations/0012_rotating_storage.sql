@@ -326,8 +326,8 @@ BEGIN
     moved := 0;
     emptied := 0;
     dropped := 0;
-    -- 1885827410 'pgqR': the rotation of one schema
-    IF NOT pg_try_advisory_xact_lock(1885827410, hashtext(nsp)) THEN
+    -- {lock_rotation} 'pgqR': the rotation of one schema
+    IF NOT pg_try_advisory_xact_lock({lock_rotation}, hashtext(nsp)) THEN
         RETURN;
     END IF;
     PERFORM set_config('lock_timeout', '20ms', true);
