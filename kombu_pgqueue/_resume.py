@@ -8,10 +8,12 @@ from .records import ClaimResult
 #: acked rows that VACUUM may not remove yet, e.g. while an old snapshot is held) makes
 #: the consumer resume after its last message for RESUME_SECONDS, or 20 times that
 #: claim's duration if longer; then it claims from the head again, which also picks up
-#: requeued messages, lease expiries and higher priorities (they wait that long at most,
-#: plus a safety poll if nothing else wakes the consumer, and only while the head is
-#: slow). The server's time, not the client's: an asynchronous claim's answer may wait
-#: in its socket while the event loop is busy, and that says nothing about the head.
+#: requeued messages and lease expiries (they wait that long at most, plus a safety poll
+#: if nothing else wakes the consumer, and only while the head is slow). Messages of a
+#: higher priority than the position's wait for nothing: a resumed claim also reads
+#: their range of the index (statement claim). The server's time, not the client's: an
+#: asynchronous claim's answer may wait in its socket while the event loop is busy, and
+#: that says nothing about the head.
 SLOW_CLAIM_SECONDS = 0.005
 RESUME_SECONDS = 1.0
 
