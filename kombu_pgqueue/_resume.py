@@ -46,9 +46,13 @@ class ResumePositions:
             else:
                 self._at.pop(queue, None)
         elif rows:
-            # resumed: the position moves on, the period it ends with stays
-            until = self._at[queue][2]
-            self._at[queue] = (rows[-1].priority, rows[-1].id, until)
+            # resumed: the position moves on along its own priority (the claim also took
+            # what waits at higher ones, which must not move it there), the period it
+            # ends with stays
+            priority, _, until = self._at[queue]
+            own = [row for row in rows if row.priority == priority]
+            if own:
+                self._at[queue] = (priority, own[-1].id, until)
         # A short range means this consumer caught up with the producers; it does not go
         # back to the head for the rest (that would cost a slow head walk per wakeup, as
         # often as messages arrive): requeued and older messages wait for the period.
