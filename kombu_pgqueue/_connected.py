@@ -42,6 +42,10 @@ _FENCED = frozenset({"ack", "ack_many", "requeue", "release", "bury", "renew"})
 #: seconds between two reads of the generation floor (see Connected.floor)
 FLOOR_READ_SECONDS = 5.0
 
+#: the statements that take the generation floor (see Connected.floor): only before
+#: these is it read again, so a role that may only monitor needs no grant for it
+_FLOORED = frozenset(name for name, text in _sql.raw_queries().items() if "%(floor)s" in text)
+
 #: statements that go through an enlisted application transaction, if there is one
 _PUBLISHES = frozenset({"publish", "publish_many", "publish_routed"})
 
@@ -199,7 +203,10 @@ class Connected:
         while True:
             try:
                 with self._connection(name, size) as conn:
-                    if time.monotonic() - self._floor_read >= FLOOR_READ_SECONDS:
+                    if (
+                        name in _FLOORED
+                        and time.monotonic() - self._floor_read >= FLOOR_READ_SECONDS
+                    ):
                         # on this connection and under this statement's deadline: its
                         # failure is the statement's
                         self._read_floor(conn)
