@@ -8,12 +8,10 @@ from .records import ClaimResult
 #: acked rows that VACUUM may not remove yet, e.g. while an old snapshot is held) makes
 #: the consumer resume after its last message for RESUME_SECONDS, or 20 times that
 #: claim's duration if longer; then it claims from the head again, which also picks up
-#: requeued messages and lease expiries (they wait that long at most, plus a safety poll
-#: if nothing else wakes the consumer, and only while the head is slow). Messages of a
-#: higher priority than the position's wait for nothing: a resumed claim also reads
-#: their range of the index (statement claim). The server's time, not the client's: an
-#: asynchronous claim's answer may wait in its socket while the event loop is busy, and
-#: that says nothing about the head.
+#: requeued messages, lease expiries and higher priorities (they wait that long at most,
+#: plus a safety poll if nothing else wakes the consumer, and only while the head is
+#: slow). The server's time, not the client's: an asynchronous claim's answer may wait
+#: in its socket while the event loop is busy, and that says nothing about the head.
 SLOW_CLAIM_SECONDS = 0.005
 RESUME_SECONDS = 1.0
 
@@ -46,13 +44,9 @@ class ResumePositions:
             else:
                 self._at.pop(queue, None)
         elif rows:
-            # resumed: the position moves on along its own priority (the claim also took
-            # what waits at higher ones, which must not move it there), the period it
-            # ends with stays
-            priority, _, until = self._at[queue]
-            own = [row for row in rows if row.priority == priority]
-            if own:
-                self._at[queue] = (priority, own[-1].id, until)
+            # resumed: the position moves on, the period it ends with stays
+            until = self._at[queue][2]
+            self._at[queue] = (rows[-1].priority, rows[-1].id, until)
         # A short range means this consumer caught up with the producers; it does not go
         # back to the head for the rest (that would cost a slow head walk per wakeup, as
         # often as messages arrive): requeued and older messages wait for the period.

@@ -388,53 +388,24 @@ WHERE NOT EXISTS (SELECT 1 FROM target);
 -- instead of out again, and comes back too, after the leased ones, marked dead (no
 -- body): the consumer logs it, since nothing else would tell anyone.
 WITH candidate AS MATERIALIZED (
-    -- two ranges of the ready index, each its own scan: the claim's own (from the head,
-    -- or from where claim_after resumes), and, for claim_after, the messages of a higher
-    -- priority than where it resumes, which its own range would not reach (a claim from
-    -- the head finds them first anyway: priority > 32767 is an empty range)
     SELECT id, attempts, gen
-    FROM (
-        SELECT * FROM (
-            SELECT id, attempts, gen, priority
-            FROM {schema}.message_store
-            WHERE queue = %(queue)s
-              AND priority > coalesce(%(after_priority)s::smallint, 32767)
-              AND gen >= %(floor)s::bigint
-              AND NOT delayed
-              AND next_iteration <= coalesce(%(now)s::timestamptz, now())
-              AND (expires_at IS NULL OR expires_at > coalesce(%(now)s::timestamptz, now()))
-            ORDER BY priority DESC, id
-            LIMIT %(limit)s
-            FOR UPDATE SKIP LOCKED
-        ) AS higher
-        UNION ALL
-        SELECT * FROM (
-            SELECT id, attempts, gen, priority
-            FROM {schema}.message_store
-            WHERE queue = %(queue)s
-              -- generations that hold nothing live are skipped, not walked (see the top)
-              AND gen >= %(floor)s::bigint
-              AND NOT delayed
-              AND next_iteration <= coalesce(%(now)s::timestamptz, now())
-              AND (expires_at IS NULL OR expires_at > coalesce(%(now)s::timestamptz, now()))
-              -- from the head here; claim_after puts the consumer's position in its place
-              {position}
-              -- relax_consumer_commits: 'off' here spares this commit the WAL flush wait; a
-              -- crash can then forget it, which only delivers a message again (NULL: the
-              -- server's setting)
-              AND (SELECT set_config('synchronous_commit',
-                                     coalesce(%(synchronous_commit)s,
-                                              current_setting('synchronous_commit')),
-                                     true)) IS NOT NULL
-            ORDER BY priority DESC, id
-            LIMIT %(limit)s
-            FOR UPDATE SKIP LOCKED
-        ) AS own
-    ) AS found
-    -- both ranges locked what they found; what is left out here is unlocked as the
-    -- statement ends, untouched
+    FROM {schema}.message_store
+    WHERE queue = %(queue)s
+      -- generations that hold nothing live are skipped, not walked (see the top)
+      AND gen >= %(floor)s::bigint
+      AND NOT delayed
+      AND next_iteration <= coalesce(%(now)s::timestamptz, now())
+      AND (expires_at IS NULL OR expires_at > coalesce(%(now)s::timestamptz, now()))
+      -- from the head here; claim_after puts the consumer's position in its place
+      {position}
+      -- relax_consumer_commits: 'off' here spares this commit the WAL flush wait; a crash
+      -- can then forget it, which only delivers a message again (NULL: the server's setting)
+      AND (SELECT set_config('synchronous_commit',
+                             coalesce(%(synchronous_commit)s, current_setting('synchronous_commit')),
+                             true)) IS NOT NULL
     ORDER BY priority DESC, id
     LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
 ),
 exhausted AS (
     DELETE FROM {schema}.message_store AS m

@@ -41,45 +41,6 @@ def test_store_claim_after_takes_only_later_ids_of_that_priority(
     assert len(rest) == 5
 
 
-def test_a_resumed_claim_takes_a_higher_priority_published_meanwhile_first(
-    connection: Connection, store: Store
-) -> None:
-    """A consumer that resumes after its position (its head was slow) gets a message of
-    a higher priority at its next claim, not when it goes back to the head: during a
-    10-minute dump a priority-9 message waited up to 4.3 s, 20 times a slow head claim."""
-    _fill(connection, "r", list(range(6)))
-    first = store.claim("r", 2, new_lease())
-    _fill(connection, "r", ["urgent"], priority=9)
-    rest = store.claim("r", 3, new_lease(), after=(0, first[-1].id))
-    assert [row.priority for row in rest] == [9, 0, 0]  # and no more than the limit
-    assert [row.id for row in rest[1:]] == sorted(row.id for row in rest[1:])
-    assert all(row.id > first[-1].id for row in rest[1:])
-
-
-def test_a_higher_priority_taken_while_resuming_leaves_the_position_where_it_was(
-    connection: Connection, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A resumed claim that brings only a message of a higher priority must not move the
-    consumer's position to that priority: its own range would then be empty, and the
-    consumer would find nothing until the period ended (the drain of a dump fell to
-    0.18x of before when it did)."""
-    monkeypatch.setattr(_resume, "SLOW_CLAIM_SECONDS", 0.0)  # every claim counts as slow
-    monkeypatch.setattr(_resume, "RESUME_SECONDS", 3600.0)
-    _fill(connection, "hp", list(range(6)))
-    channel = connection.channel()
-    first = channel.basic_get("hp")
-    assert first is not None and first.payload == 0
-    first.ack()
-    position = connection.transport.consumer.resume_position("hp")
-    assert position is not None and position[0] == 0  # resuming after message 0
-    _fill(connection, "hp", ["urgent"], priority=9)
-    got = []
-    while (message := channel.basic_get("hp")) is not None:
-        got.append(message.payload)
-        message.ack()
-    assert got == ["urgent", 1, 2, 3, 4, 5]
-
-
 def test_a_resuming_consumer_still_delivers_everything_once_with_a_snapshot_held(
     connection: Connection, dsn: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
