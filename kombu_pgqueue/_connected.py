@@ -44,7 +44,9 @@ FLOOR_READ_SECONDS = 5.0
 
 #: the statements that take the generation floor (see Connected.floor): only before
 #: these is it read again, so a role that may only monitor needs no grant for it
-_FLOORED = frozenset(name for name, text in _sql.raw_queries().items() if "%(floor)s" in text)
+_FLOORED = frozenset(
+    name for name, text in _sql.raw_queries().items() if "%(floor)s" in _sql.compact(text)
+)
 
 #: statements that go through an enlisted application transaction, if there is one
 _PUBLISHES = frozenset({"publish", "publish_many", "publish_routed"})

@@ -25,9 +25,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+from message_cost import SERVER_CPU  # run as a script: its folder is on sys.path
+
 DSN = os.environ.get("PGQUEUE_TEST_DSN", "host=127.0.0.1 dbname=test user=postgres")
 
-CHILD = r"""
+_HEAD = r"""
 import json, os, sys, uuid
 import psycopg
 from psycopg import sql
@@ -40,21 +42,9 @@ schema = "gcost_" + uuid.uuid4().hex[:8]
 ticks = os.sysconf("SC_CLK_TCK")
 
 
-def server_cpu(conn):
-    root = int(open(conn.execute("SHOW data_directory").fetchone()[0] + "/postmaster.pid")
-               .readline())
-    total = 0
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            fields = open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(entry) == root or int(fields[1]) == root:
-            total += int(fields[11]) + int(fields[12])
-    return total / ticks
+"""
 
+_BODY = r"""
 
 with psycopg.connect(dsn, autocommit=True) as conn:
     migrate(conn, schema)
@@ -97,6 +87,9 @@ with psycopg.connect(dsn, autocommit=True) as conn:
 print(json.dumps({"publish": (c1 - c0) / n * 1e6, "claim": (c2 - c1) / n * 1e6,
                   "ack": (c3 - c2) / n * 1e6}))
 """
+
+#: what each run executes, in a process of its own
+CHILD = "\n".join((_HEAD, SERVER_CPU, _BODY))
 
 PHASES = ("publish", "claim", "ack")
 
@@ -142,7 +135,9 @@ def main() -> None:
             cells = []
             for phase in PHASES:
                 values = [r[phase] for r in rounds]
-                ratio = statistics.median(values) / statistics.median(r[phase] for r in base)
+                first = statistics.median(r[phase] for r in base)
+                # too few messages to see a clock tick of CPU: no ratio
+                ratio = statistics.median(values) / first if first else float("nan")
                 cells.append(
                     f"{phase} {statistics.median(values):6.1f} us"
                     f" [{min(values):.0f}-{max(values):.0f}] ({ratio:.2f}x)"

@@ -25,19 +25,10 @@ from pathlib import Path
 
 DSN = os.environ.get("PGQUEUE_TEST_DSN", "host=127.0.0.1 dbname=test user=postgres")
 
-CHILD = r"""
-import json, os, sys, uuid
-import psycopg
-from psycopg import sql
-from kombu_pgqueue import migrate
-from kombu_pgqueue._options import parse_options
-from kombu_pgqueue._store import Outgoing, Store, new_lease
-
-dsn, n, batch = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-schema = "cost_" + uuid.uuid4().hex[:8]
-ticks = os.sysconf("SC_CLK_TCK")
-
-
+#: the child's server_cpu(conn): the CPU seconds of every process of the PostgreSQL
+#: server so far (its postmaster and the postmaster's children, from /proc); the child
+#: defines ``ticks`` (also used by generation_cost.py)
+SERVER_CPU = r"""
 def server_cpu(conn):
     # every process whose parent is the postmaster, and the postmaster
     root = int(open(conn.execute("SHOW data_directory").fetchone()[0] + "/postmaster.pid")
@@ -53,7 +44,25 @@ def server_cpu(conn):
         if int(entry) == root or int(fields[1]) == root:
             total += int(fields[11]) + int(fields[12])
     return total / ticks
+"""
 
+CHILD = (
+    r"""
+import json, os, sys, uuid
+import psycopg
+from psycopg import sql
+from kombu_pgqueue import migrate
+from kombu_pgqueue._options import parse_options
+from kombu_pgqueue._store import Outgoing, Store, new_lease
+
+dsn, n, batch = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+schema = "cost_" + uuid.uuid4().hex[:8]
+ticks = os.sysconf("SC_CLK_TCK")
+
+
+"""
+    + SERVER_CPU
+    + r"""
 
 def wal(conn):
     return int(conn.execute("SELECT pg_current_wal_lsn() - '0/0'").fetchone()[0])
@@ -93,6 +102,7 @@ with psycopg.connect(dsn, autocommit=True) as conn:
     conn.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(sql.Identifier(schema)))
 print(json.dumps(out))
 """
+)
 
 
 def run(checkout: str, n: int, batch: int) -> dict[str, list[float]]:
