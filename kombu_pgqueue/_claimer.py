@@ -52,7 +52,7 @@ _CLAIM_COLUMN_TYPES = (20, 21, 23, 17, 25, 25, 25, 25, 701, 16)  # int8 int2 int
 _DEAD = 9
 
 #: the statements a claimer sends (see Store.claim_request)
-CLAIM_STATEMENTS = ("claim", "claim_after")
+CLAIM_STATEMENTS = ("claim", "claim_after", "claim_above")
 
 
 def _int(value: bytes) -> int:

@@ -32,7 +32,17 @@ TUPLES_OK = pq.ExecStatus.TUPLES_OK
 
 #: consumer-side statements whose lost commit can only cause a redelivery
 _RELAXED = frozenset(
-    {"claim", "claim_after", "ack", "ack_many", "requeue", "release", "bury", "renew"}
+    {
+        "claim",
+        "claim_after",
+        "claim_above",
+        "ack",
+        "ack_many",
+        "requeue",
+        "release",
+        "bury",
+        "renew",
+    }
 )
 
 #: statements on held messages, by id and lease: sent again when the rotation moved

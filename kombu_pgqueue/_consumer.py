@@ -148,12 +148,14 @@ class Consumer:
     def _state(self, sink: Sink) -> SinkState:
         return self._sinks.setdefault(id(sink), SinkState())
 
-    def request(self, queue: str, sink: Sink, limit: int) -> ClaimRequest:
-        """How to claim from ``queue`` now: from its head, or after its last message."""
+    def request(self, queue: str, sink: Sink, limit: int, *, above: bool = False) -> ClaimRequest:
+        """How to claim from ``queue`` now: from its head, or after its last message, or,
+        if ``above`` may be claimed and that is due, its higher priorities (_resume)."""
         now = self._state(sink).last_claim = self.clock()
         after = self._resume.after(queue, now)
+        above = above and self._resume.above(queue, now)
         self._inflight.add(queue)
-        return self.store.claim_request(queue, limit, new_lease(), after=after)
+        return self.store.claim_request(queue, limit, new_lease(), after=after, above=above)
 
     def claimed(self, result: ClaimResult) -> list[dict[str, Any]]:
         """Kombu's payloads of what a claim brought; note where the queue resumes."""
@@ -197,13 +199,14 @@ class Consumer:
         if no_ack:
             self._state(sink).last_claim = self.clock()
             return [codec.payload(row, queue, 0) for row in self.store.take(queue, limit)]
-        request = self.request(queue, sink, limit)
+        return self.claimed(self._run_here(self.request(queue, sink, limit)))
+
+    def _run_here(self, request: ClaimRequest) -> ClaimResult:
         try:
-            result = self.store.run_claim(request)
+            return self.store.run_claim(request)
         except BaseException:
-            self._inflight.discard(queue)
+            self._inflight.discard(request.queue)
             raise
-        return self.claimed(result)
 
     def deliver_pending(self, *, inline: bool = False, in_tick: bool = False) -> int:
         """Claim from every queue with news, within each channel's prefetch window.
@@ -235,11 +238,16 @@ class Consumer:
                 and not sub.no_ack
                 and (in_tick or not self._idle(sub.sink))
             ):
-                self.claimer.submit(self.request(queue, sub.sink, limit))
+                self.claimer.submit(self.request(queue, sub.sink, limit, above=True))
                 self._sinks[id(sub.sink)].claiming += limit
                 continue
-            payloads = self.fetch(queue, limit, sub.no_ack, sub.sink)
-            error, rest = self._hand_out(queue, limit, payloads)
+            if sub.no_ack:
+                payloads, above = self.fetch(queue, limit, True, sub.sink), False
+            else:
+                result = self._run_here(self.request(queue, sub.sink, limit, above=True))
+                payloads, above = self.claimed(result), result.request.above
+            # a claim above the position says nothing of the queue's own range
+            error, rest = self._hand_out(queue, limit, payloads, renotified=above)
             if error is not None:
                 self.held.release_payloads(rest)
                 raise error
@@ -270,6 +278,8 @@ class Consumer:
             if error is not None or queue not in self._subs:
                 undelivered.extend(payloads)  # cancelled meanwhile: back at once
                 continue
+            # a claim above the position says nothing of the queue's own range
+            renotified = renotified or result.request.above
             error, rest = self._hand_out(queue, limit, payloads, renotified)
             undelivered.extend(rest)  # and the later batches, as error is set now
         self.held.release_payloads(undelivered)

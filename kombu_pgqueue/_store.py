@@ -184,13 +184,16 @@ class Store(Connected):
         lease: int,
         now: datetime | None = None,
         after: tuple[int, int] | None = None,
+        above: bool = False,
     ) -> list[Delivered]:
         """Lease up to ``limit`` ready messages, from the head of the queue.
 
         ``after`` = (priority, id) claims only messages of that priority with a larger
-        id (statement ``claim_after``): the index scan starts right there.
+        id (statement ``claim_after``): the index scan starts right there. With
+        ``above``, only messages of a higher priority than ``after``'s, from the head of
+        their range (statement ``claim_above``).
         """
-        return self.run_claim(self.claim_request(queue, limit, lease, now, after)).rows
+        return self.run_claim(self.claim_request(queue, limit, lease, now, after, above)).rows
 
     def run_claim(self, request: ClaimRequest) -> ClaimResult:
         """Run a claim here and wait for it (the claimer sends the same without waiting).
@@ -210,6 +213,7 @@ class Store(Connected):
         lease: int,
         now: datetime | None = None,
         after: tuple[int, int] | None = None,
+        above: bool = False,
     ) -> ClaimRequest:
         """A claim of up to ``limit`` messages, leased by ``lease``, ready to run."""
         params = {
@@ -224,8 +228,11 @@ class Store(Connected):
             "synchronous_commit": "off" if self.options.relax_consumer_commits else None,
             "floor": self.floor,
         }
-        statement = "claim" if after is None else "claim_after"
-        return ClaimRequest(queue, limit, lease, statement, params, after)
+        if after is None:
+            statement, above = "claim", False
+        else:
+            statement = "claim_above" if above else "claim_after"
+        return ClaimRequest(queue, limit, lease, statement, params, after, above)
 
     def positional(self, name: str) -> tuple[bytes, tuple[str, ...]]:
         """Statement ``name`` with ``$n`` placeholders, and the parameter name of each n.

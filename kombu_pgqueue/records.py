@@ -223,10 +223,12 @@ class ClaimRequest:
     queue: str
     limit: int
     lease: int
-    #: "claim" (from the head) or "claim_after" (after ``after`` = (priority, id))
+    #: "claim" (from the head), "claim_after" (after ``after`` = (priority, id)) or
+    #: "claim_above" (the higher priorities than ``after``'s, from their head)
     statement: str
     params: dict[str, Any]
     after: tuple[int, int] | None = None
+    above: bool = False
 
 
 @dataclass(frozen=True, slots=True)

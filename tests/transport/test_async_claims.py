@@ -118,17 +118,17 @@ def _spy_claims(conn: Connection, monkeypatch: pytest.MonkeyPatch) -> list[str]:
     consumer = conn.transport.consumer
     claimer = consumer.claimer
     assert claimer is not None
-    fetch, submit = consumer.fetch, claimer.submit
+    run_claim, submit = consumer.store.run_claim, claimer.submit
 
-    def spy_fetch(*args: Any) -> list[Any]:
+    def spy_run_claim(*args: Any) -> Any:
         how.append("waited")
-        return fetch(*args)
+        return run_claim(*args)
 
     def spy_submit(request: Any) -> None:
         how.append("sent")
         submit(request)
 
-    monkeypatch.setattr(consumer, "fetch", spy_fetch)
+    monkeypatch.setattr(consumer.store, "run_claim", spy_run_claim)
     monkeypatch.setattr(claimer, "submit", spy_submit)
     return how
 
@@ -596,3 +596,35 @@ def test_only_time_in_the_server_counts_a_claim_as_slow_not_a_busy_loop(
     position = consumer.resume_position("ctslow")
     assert position is not None and position[1] == held[0].delivery_info["pgqueue_id"]
     assert position[2] > clock()
+
+
+@pytest.mark.usefixtures("busy")
+def test_a_resumed_consumer_sends_a_claim_of_the_higher_priorities_when_it_is_due(
+    make_connection: Callable[..., Connection], hub: Hub, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_resume, "SLOW_CLAIM_SECONDS", 0.0)  # every claim counts as slow
+    monkeypatch.setattr(_resume, "RESUME_SECONDS", 3600.0)  # the period never ends here
+    conn = _registered(make_connection, hub, "ctabove", 12)
+    consumer = conn.transport.consumer
+    clock = consumer.clock = _ClientClock()
+    held: list[Any] = []
+    Consumer(
+        conn, [Queue("ctabove")], callbacks=[lambda b, m: held.append(m)], prefetch_count=4
+    ).consume()
+    consumer.pending.add("ctabove")
+    consumer.deliver_pending()
+    _take_answer(conn, "ctabove")
+    assert [m.payload for m in held] == [0, 1, 2, 3]  # the window is full
+    assert consumer.resume_position("ctabove") is not None
+    Producer(conn).publish("high", routing_key="ctabove", priority=9)
+
+    clock.ahead += _resume.ABOVE_SECONDS
+    for message in held:
+        message.ack()
+    del held[:]
+    consumer.pending.add("ctabove")
+    consumer.deliver_pending()
+    _take_answer(conn, "ctabove")
+    # the claim above the position came first, and the queue's own range right after
+    assert [m.payload for m in held] == ["high", 4, 5, 6]
+    assert consumer.resume_position("ctabove") is not None

@@ -13,7 +13,8 @@ import time
 
 import psycopg
 import pytest
-from kombu import Connection, Producer, Queue
+from kombu import Connection, Consumer, Producer, Queue
+from kombu.message import Message
 from psycopg import sql
 
 from kombu_pgqueue import _resume
@@ -86,11 +87,27 @@ def test_a_resuming_consumer_still_delivers_everything_once_with_a_snapshot_held
     assert requeued_at is not None and caught_up_at is not None
 
 
+@pytest.mark.parametrize(
+    ("statement", "condition", "index_cond"),
+    [
+        (
+            "claim_after",
+            "%priority = $%::smallint AND id > $%::bigint%",
+            r"Index Cond: .*\(priority = \$\d+\) AND \(id > \(?\$\d+",
+        ),
+        ("claim_above", "%AND priority > $%::smallint%", r"Index Cond: .*\(priority > \$\d+\)"),
+    ],
+)
 def test_the_resumed_claim_starts_the_index_scan_at_the_position_in_its_generic_plan(
-    connection: Connection, store: Store, db: psycopg.Connection
+    connection: Connection,
+    store: Store,
+    db: psycopg.Connection,
+    statement: str,
+    condition: str,
+    index_cond: str,
 ) -> None:
-    # prepared once, claim_after runs from its generic plan: the position must be part
-    # of the index condition there, with no values to plan with
+    # prepared once, claim_after (and claim_above) run from their generic plans: the
+    # position must be part of the index condition there, with no values to plan with
     _fill(connection, "plan", list(range(3)))
     from kombu_pgqueue import _sql
 
@@ -106,14 +123,14 @@ def test_the_resumed_claim_starts_the_index_scan_at_the_position_in_its_generic_
         "synchronous_commit": None,
         "floor": store.floor,
     }
-    query = _sql.queries(store.schema)["claim_after"]
+    query = _sql.queries(store.schema)[statement]
     db.autocommit = True
     db.execute("SET plan_cache_mode = force_generic_plan")
     db.execute(SESSION_SETTINGS)  # as on the broker's own connections
     db.execute(query, params, prepare=True)
     [(name,)] = db.execute(
         "SELECT name FROM pg_prepared_statements WHERE statement LIKE %s",
-        ("%priority = $%::smallint AND id > $%::bigint%",),
+        (condition,),
     ).fetchall()
     # psycopg numbers the placeholders in order of first appearance
     order = list(dict.fromkeys(re.findall(r"%\((\w+)\)s", query.as_string(None))))
@@ -122,4 +139,41 @@ def test_the_resumed_claim_starts_the_index_scan_at_the_position_in_its_generic_
     )
     plan = "\n".join(row[0] for row in db.execute(explain))
     assert "Seq Scan on message" not in plan
-    assert re.search(r"Index Cond: .*\(priority = \$\d+\) AND \(id > \(?\$\d+", plan), plan
+    assert re.search(index_cond, plan), plan
+
+
+def test_a_higher_priority_reaches_a_resumed_consumer_without_waiting_for_the_period(
+    connection: Connection, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_resume, "SLOW_CLAIM_SECONDS", 0.0)  # every claim counts as slow
+    monkeypatch.setattr(_resume, "RESUME_SECONDS", 3600.0)  # the period never ends here
+    consumer = connection.transport.consumer
+    now = [time.monotonic()]
+    consumer.clock = lambda: now[0]  # moved by the test only
+    _fill(connection, "above", list(range(30)))
+    got: list[object] = []
+
+    def take(body: object, message: Message) -> None:
+        got.append(body)
+        message.ack()
+
+    kombu_consumer = Consumer(connection, [Queue("above")], callbacks=[take], prefetch_count=4)
+    kombu_consumer.consume()
+    connection.drain_events(timeout=5)
+    position = consumer.resume_position("above")
+    assert position is not None and position[0] == 0  # resumed after the first claim
+    _fill(connection, "above", ["high"], priority=9)
+    seen = len(got)
+    connection.drain_events(timeout=5)
+    assert "high" not in got[seen:]  # not due yet: the head was read just now
+    now[0] += _resume.ABOVE_SECONDS
+    seen = len(got)
+    connection.drain_events(timeout=5)
+    # still resumed (the same period), and the next claim read the priorities above it
+    assert consumer.resume_position("above") is not None
+    assert consumer.resume_position("above")[2] == position[2]  # type: ignore[index]
+    assert got[seen:] == ["high"]
+    while len(got) < 31:
+        connection.drain_events(timeout=5)
+    assert sorted(map(str, got)) == sorted(map(str, [*range(30), "high"]))
+    kombu_consumer.cancel()
