@@ -2,6 +2,9 @@
 in a file, in a process group of their own, and killed with their pool children when
 the test ends (``Workers`` as a fixture's body).
 
+The ``spawn`` fixture (``tests/conftest.py``) starts workers of the :class:`WorkerApp`
+that a test directory gives as its ``worker_app`` fixture.
+
 Importable from every test directory (``tests/`` is on ``sys.path``, see ``waiting``).
 """
 
@@ -11,11 +14,12 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
-from waiting import Process
+from waiting import Process, wait_for
 
 #: what every test worker runs without: no peers to wait for, no heartbeats to send
 QUIET = ("--without-mingle", "--without-gossip", "--without-heartbeat")
@@ -34,12 +38,39 @@ class Worker(Process):
         self.proc.send_signal(signal.SIGTERM)
 
 
+@dataclass(frozen=True)
+class WorkerApp:
+    """``celery -A module worker``, run from ``cwd`` with the environment ``env(**settings)``."""
+
+    module: str
+    cwd: Path
+    env: Callable[..., Mapping[str, str]]
+
+
 class Workers:
     """The workers one test started."""
 
     def __init__(self, logs: Path) -> None:
         self.logs = logs
         self.started: list[Worker] = []
+
+    def run(
+        self, name: str, args: Sequence[str], *, cwd: Path, env: Mapping[str, str], log: str = ""
+    ) -> Worker:
+        """``python -m celery ARGS``, its output in ``log`` (default ``NAME.log``)."""
+        log_path = self.logs / (log or f"{name}.log")
+        with open(log_path, "wb") as out:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "celery", *args],
+                cwd=cwd,
+                env=dict(env),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        worker = Worker(name, proc, log_path)
+        self.started.append(worker)
+        return worker
 
     def start(
         self,
@@ -50,20 +81,32 @@ class Workers:
         env: Mapping[str, str],
         options: Sequence[str] = ("-P", "prefork", "-c", "2", "-Q", "celery"),
     ) -> Worker:
-        """``celery -A app worker -n name@%h OPTIONS -l info`` and :data:`QUIET`."""
-        log_path = self.logs / f"worker-{name}.log"
-        command = [sys.executable, "-m", "celery", "-A", app, "worker", "-n", f"{name}@%h"]
-        with open(log_path, "wb") as log:
-            proc = subprocess.Popen(
-                [*command, *options, "-l", "info", *QUIET],
-                cwd=cwd,
-                env=dict(env),
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        worker = Worker(name, proc, log_path)
-        self.started.append(worker)
+        """``celery -A app worker -n name@%h OPTIONS -l info`` and :data:`QUIET` (a
+        ``name`` with ``@`` is the whole hostname)."""
+        hostname = name if "@" in name else f"{name}@%h"
+        command = ["-A", app, "worker", "-n", hostname, *options, "-l", "info", *QUIET]
+        return self.run(name, command, cwd=cwd, env=env, log=f"worker-{name}.log")
+
+    def spawn(
+        self,
+        app: WorkerApp,
+        name: str | None = None,
+        *,
+        pool: str = "prefork",
+        concurrency: int = 2,
+        queues: str | None = "celery",
+        ready: bool = False,
+        **settings: object,
+    ) -> Worker:
+        """A worker of ``app`` (``name``: ``<pool><n>``) with ``-P pool -c concurrency``,
+        ``-Q queues`` unless None, ``app.env(**settings)``; ``ready``: once consuming."""
+        name = name or f"{pool}{len(self.started)}"
+        options = ["-P", pool, "-c", str(concurrency)]
+        if queues is not None:
+            options += ["-Q", queues]
+        worker = self.start(app.module, name, cwd=app.cwd, env=app.env(**settings), options=options)
+        if ready:
+            wait_for(lambda: worker.says(" ready."), 60, f"worker {name} to start", worker)
         return worker
 
     def kill_all(self) -> None:

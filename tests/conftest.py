@@ -7,7 +7,8 @@ is set, ``postgresql://`` (libpq reads ``PG*`` itself). Tests never skip for wan
 database: if none can be had, they fail.
 
 The helpers every test directory imports live beside this file: ``waiting`` (the one
-way to wait) and ``celery_apps`` (the one Celery app factory).
+way to wait), ``celery_apps`` (the one Celery app factory), ``celery_workers`` (worker
+processes: the ``spawn`` fixture below) and ``helpers`` (gates, counts).
 """
 
 from __future__ import annotations
@@ -17,11 +18,14 @@ import os
 import uuid
 from collections.abc import Callable, Iterator
 from datetime import datetime
+from functools import partial
+from pathlib import Path
 
 import psycopg
 import pytest
 from celery import Celery
 from celery_apps import celery_app
+from celery_workers import Worker, WorkerApp, workers
 from kombu import Connection
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
@@ -147,3 +151,12 @@ def app(dsn: str, schema: str) -> Iterator[Celery]:
     app = celery_app(dsn, schema)
     yield app
     app.close()
+
+
+@pytest.fixture
+def spawn(worker_app: WorkerApp, tmp_path: Path) -> Iterator[Callable[..., Worker]]:
+    """``spawn(name=None, *, pool="prefork", concurrency=2, queues="celery", ready=False,
+    **settings)``: a worker process of the directory's ``worker_app`` fixture
+    (:meth:`celery_workers.Workers.spawn`), killed with its pool when the test ends."""
+    with workers(tmp_path) as started:
+        yield partial(started.spawn, worker_app)

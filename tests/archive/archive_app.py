@@ -5,8 +5,8 @@ with the setting ``pgqueue_keep_failed`` on (``PGQUEUE_KEEP_FAILED=0``: off; ``=
 not set, as ``configure()`` leaves it) and results in the same database;
 ``PGQUEUE_SWEEP_INTERVAL`` is the setting ``pgqueue_sweep_interval``. Every task fails
 with :class:`Declined` until the gate named by its label is opened (a row in the
-schema's ``gate`` table), and writes each run to the ``runs`` table first, so the tests
-count executions exactly.
+schema's ``gate`` table: ``helpers.open_gate``), and writes each run to the ``runs``
+table first, so the tests count executions exactly.
 
 * ``archive.charge``: early acks (Celery's default);
 * ``archive.charge_late``: late acks, a failed task's message acked after it ran;
@@ -49,13 +49,6 @@ def create_tables(conn: psycopg.Connection, schema: str) -> None:
             "CREATE TABLE {} (run bigint GENERATED ALWAYS AS IDENTITY, task_id text, "
             "label text, retries integer, handoff boolean)"
         ).format(sql.Identifier(schema, "runs"))
-    )
-
-
-def open_gate(conn: psycopg.Connection, schema: str, name: str) -> None:
-    conn.execute(
-        sql.SQL("INSERT INTO {} (name) VALUES (%s)").format(sql.Identifier(schema, "gate")),
-        (name,),
     )
 
 

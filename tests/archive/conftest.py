@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -14,8 +15,7 @@ import psycopg
 import pytest
 from archive_app import create_tables, make_app
 from celery import Celery
-from celery_workers import workers
-from waiting import Process, wait_for
+from celery_workers import WorkerApp
 
 import kombu_pgqueue
 
@@ -51,23 +51,10 @@ def client(dsn: str, schema: str, db: psycopg.Connection) -> Iterator[Celery]:
 
 
 @pytest.fixture
-def spawn(dsn: str, schema: str, tmp_path: Path) -> Iterator[Callable[..., Process]]:
-    """``spawn(name, concurrency=2, **settings)``: a prefork worker on queue ``celery``,
-    consuming once this returns; killed with its pool at the end of the test."""
-    with workers(tmp_path) as started:
-
-        def spawn(name: str, concurrency: int = 2, **settings: Any) -> Process:
-            worker = started.start(
-                "archive_app",
-                name,
-                cwd=HERE,
-                env=worker_env(dsn, schema, **settings),
-                options=("-P", "prefork", "-c", str(concurrency), "-Q", "celery"),
-            )
-            wait_for(lambda: worker.says(" ready."), 60, f"worker {name} to start", worker)
-            return worker
-
-        yield spawn
+def worker_app(dsn: str, schema: str) -> WorkerApp:
+    """``celery -A archive_app worker``; ``spawn``'s settings are ``worker_env``'s
+    (``spawn(name, ready=True, keep_failed=0)``, ``tests/conftest.py``)."""
+    return WorkerApp("archive_app", HERE, partial(worker_env, dsn, schema))
 
 
 @pytest.fixture

@@ -17,10 +17,10 @@ from typing import Any
 
 import psycopg
 import pytest
-from archive_app import open_gate
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
 from celery_apps import CONF, TRANSPORT_OPTIONS
+from helpers import open_gate
 from psycopg import sql
 from psycopg.rows import dict_row
 from waiting import wait_for
@@ -117,7 +117,7 @@ def test_failed_tasks_are_kept_whatever_settles_them_and_run_again_with_their_id
     sent = stored(db, schema)
     assert len(sent) == 6
 
-    worker = spawn("w1")
+    worker = spawn("w1", ready=True)
     letters = {json.loads(d.headers)["id"]: d for d in failed(broker, 6)}
 
     assert sorted(letters) == sorted(r.id for r in everything)
@@ -217,7 +217,7 @@ def test_failed_tasks_are_not_kept_without_the_setting(client, broker, spawn, db
     after = client.tasks["archive.charge"].delay("after", 1)
 
     # one pool process: the last task starts once the others' failures are handled
-    spawn("off", concurrency=1, keep_failed=0)
+    spawn("off", concurrency=1, ready=True, keep_failed=0)
 
     wait_for(lambda: client.AsyncResult(after.id).state == "SUCCESS", 60, "the last task")
     wait_for(lambda: table(db, schema, "message_store") == [], 30, "every message settled")
@@ -279,7 +279,7 @@ def test_a_failed_task_handed_off_to_an_idle_worker_is_kept_as_it_was_sent(
     pgqueue_handoff ...); the letter keeps what the publisher sent, whichever brought it."""
     claimed = client.tasks["archive.charge"].delay("claimed", 1)
     sent = stored(db, schema)[claimed.id]
-    spawn("idle", concurrency=1)
+    spawn("idle", concurrency=1, ready=True)
     failed(broker, 1)
     waiters = sql.SQL("SELECT count(*) FROM {} WHERE queue = 'celery'").format(
         sql.Identifier(schema, "listener")

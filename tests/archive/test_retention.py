@@ -51,7 +51,7 @@ def test_a_worker_keeps_failed_tasks_by_default_and_its_sweep_trims_them(
     broker = Broker(dsn, schema=schema)
     _letter(db, schema, -1, "failed", 8)  # older than a week: trimmed as the worker starts
     _letter(db, schema, -2, "rejected", 30)  # not the sweep's to trim
-    worker = spawn("default", keep_failed="default", sweep_interval=0.1)
+    worker = spawn("default", ready=True, keep_failed="default", sweep_interval=0.1)
     assert worker.says(
         "pgqueue: tasks that fail for good are kept as dead letters for 7 days "
         "(celery pgqueue dead list --reason failed"

@@ -1,7 +1,8 @@
 """The Celery app of the atomic-task tests, in-process and in ``celery worker`` processes.
 
 ``celery -A atomic_app worker`` builds it from the environment (see :func:`worker_env`):
-``ATOMIC_DSN``, ``ATOMIC_SCHEMA`` and transport options as ``ATOMIC_<OPTION>``.
+``ATOMIC_DSN``, ``ATOMIC_SCHEMA``, transport options as ``ATOMIC_<OPTION>`` and
+``ATOMIC_PREFETCH`` (1): ``worker_prefetch_multiplier``.
 
 Tables, in the test's schema (:func:`create_tables`):
 
@@ -9,7 +10,8 @@ Tables, in the test's schema (:func:`create_tables`):
   plain INSERT and no unique key, so an effect applied twice shows as two rows.
 * ``attempt``: every start of a task body, written on a connection of its own in
   autocommit, so it shows attempts whose transaction rolled back.
-* ``gate``: a task given a gate waits, inside its transaction, until the test opens it.
+* ``gate``: a task given a gate waits, inside its transaction, until the test opens it
+  (``helpers.open_gate``).
 """
 
 from __future__ import annotations
@@ -22,8 +24,8 @@ from typing import Any
 import psycopg
 from celery import Celery
 from celery_apps import celery_app, lazy_app
+from helpers import wait_gate
 from psycopg import sql
-from waiting import wait_for
 
 from celery_pgqueue.atomic import AtomicTask
 
@@ -44,15 +46,6 @@ def create_tables(conn: psycopg.Connection, schema: str) -> None:
         "CREATE TABLE {}.gate (name text PRIMARY KEY)",
     ):
         conn.execute(sql.SQL(statement).format(sql.Identifier(schema)))
-
-
-def open_gate(conn: psycopg.Connection, schema: str, name: str) -> None:
-    conn.execute(
-        sql.SQL("INSERT INTO {} (name) VALUES (%s) ON CONFLICT DO NOTHING").format(
-            sql.Identifier(schema, "gate")
-        ),
-        (name,),
-    )
 
 
 def worker_env(dsn: str, schema: str, **options: Any) -> dict[str, str]:
@@ -84,7 +77,6 @@ def make_app(dsn: str, schema: str, **options: Any) -> Celery:
     )
     effect_table = sql.Identifier(schema, "effect")
     attempt_table = sql.Identifier(schema, "attempt")
-    gate_table = sql.Identifier(schema, "gate")
 
     def attempt(task: Any, key: str) -> None:
         with psycopg.connect(dsn, autocommit=True) as conn:
@@ -94,11 +86,6 @@ def make_app(dsn: str, schema: str, **options: Any) -> Celery:
                 ).format(attempt_table),
                 (key, task.request.id or "", os.getpid(), task.request.retries or 0),
             )
-
-    def wait_gate(name: str) -> None:
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            query = sql.SQL("SELECT 1 FROM {} WHERE name = %s").format(gate_table)
-            wait_for(lambda: conn.execute(query, (name,)).fetchone(), GATE_LIMIT, f"gate {name}")
 
     def write(task: Any, key: str) -> None:
         task.db.execute(
@@ -120,7 +107,7 @@ def make_app(dsn: str, schema: str, **options: Any) -> Celery:
         if follow:
             effect.delay(follow)
         if gate:
-            wait_gate(gate)
+            wait_gate(dsn, schema, gate, GATE_LIMIT)
         if fail:
             raise Boom(key)
         return key
@@ -171,7 +158,9 @@ def app_from_environment(env: Mapping[str, str] = os.environ) -> Celery:
         # the consumer's batches of atomic tasks' acks ("1 of 1 acks of atomic tasks
         # deleted a row"), in the worker's log
         logging.getLogger("kombu_pgqueue._ledger").setLevel(logging.DEBUG)
-    return make_app(env["ATOMIC_DSN"], env["ATOMIC_SCHEMA"], **options)
+    app = make_app(env["ATOMIC_DSN"], env["ATOMIC_SCHEMA"], **options)
+    app.conf.worker_prefetch_multiplier = int(env.get("ATOMIC_PREFETCH", "1"))
+    return app
 
 
 __getattr__ = lazy_app(globals(), app_from_environment)

@@ -4,7 +4,8 @@ the queries that count what happened (see ``atomic_app``)."""
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +13,7 @@ import psycopg
 import pytest
 from atomic_app import create_tables, make_app, worker_env
 from celery import Celery
-from celery_workers import Worker, workers
+from celery_workers import WorkerApp
 from psycopg import sql
 
 import kombu_pgqueue
@@ -43,21 +44,9 @@ def client(dsn: str, tables: str) -> Iterator[Celery]:
 
 
 @pytest.fixture
-def spawn(dsn: str, tables: str, tmp_path: Path) -> Iterator[Callable[..., Worker]]:
-    """``spawn(pool, concurrency=2, prefetch=1, **transport_options)``: a worker process."""
-    with workers(tmp_path) as started:
-
-        def spawn(pool: str, *, concurrency: int = 2, prefetch: int = 1, **options: Any) -> Worker:
-            return started.start(
-                "atomic_app",
-                f"{pool}{len(started.started)}",
-                cwd=HERE,
-                env=worker_env(dsn, tables, **options),
-                options=("-P", pool, "-c", str(concurrency), "--prefetch-multiplier", str(prefetch))
-                + ("-Q", "celery"),
-            )
-
-        yield spawn
+def worker_app(dsn: str, tables: str) -> WorkerApp:
+    """What ``spawn(pool=..., **transport_options)`` starts (``tests/conftest.py``)."""
+    return WorkerApp("atomic_app", HERE, partial(worker_env, dsn, tables))
 
 
 def effects(db: psycopg.Connection, schema: str) -> Counter[str]:

@@ -11,9 +11,10 @@ from __future__ import annotations
 import signal
 
 import pytest
-from atomic_app import Boom, open_gate
+from atomic_app import Boom
 from celery import chain
 from conftest import LATE_ACK, attempts, effects, messages
+from helpers import open_gate
 from psycopg import sql
 from waiting import wait_for
 
@@ -26,7 +27,7 @@ POOLS = ["prefork", "threads", "solo"]
 def test_outcomes_on_each_pool(pool, spawn, client, db, tables):
     """Commit, rollback on exception, retry (asked for and automatic), replace, a link and
     a chain: each attempt's effects exist exactly when it committed."""
-    worker = spawn(pool)
+    worker = spawn(pool=pool)
     effect, retrying = client.tasks["atomic.effect"], client.tasks["atomic.retrying"]
     autoretry, replaced = client.tasks["atomic.autoretry"], client.tasks["atomic.replaced"]
     done = [effect.delay(f"ok{i}") for i in range(10)]
@@ -65,7 +66,7 @@ def test_outcomes_on_each_pool(pool, spawn, client, db, tables):
 @pytest.mark.parametrize("pool", ["prefork", "threads"])
 def test_follow_up_exists_only_after_commit(pool, spawn, client, db, tables):
     """A task sent by the body is a row of its transaction: invisible until it commits."""
-    worker = spawn(pool)
+    worker = spawn(pool=pool)
     effect = client.tasks["atomic.effect"]
     parent = effect.delay("parent", gate="g", follow="child")
     wait_for(lambda: attempts(db, tables)["parent"], 30, "the parent to start", worker)
@@ -82,7 +83,7 @@ def test_follow_up_exists_only_after_commit(pool, spawn, client, db, tables):
 @pytest.mark.parametrize("pool", ["prefork", "threads"])
 def test_rolled_back_attempt_sends_nothing(pool, spawn, client, db, tables):
     """What a failed attempt published rolled back with it: the follow-up never runs."""
-    worker = spawn(pool)
+    worker = spawn(pool=pool)
     effect = client.tasks["atomic.effect"]
     with pytest.raises(Boom):
         effect.delay("parent", follow="child", fail=True).get(timeout=30)
@@ -97,7 +98,7 @@ def test_no_ack_follows_a_commit_from_a_pool_child(spawn, client, db, tables):
     learns of it from the success and sends no ack of its own. A failure (rolled back,
     and acked as Celery acks failures) is acked by the main process: that ack deletes
     the row."""
-    worker = spawn("prefork", log_acks=1)
+    worker = spawn(pool="prefork", log_acks=1)
     effect = client.tasks["atomic.effect"]
     for key in ("a", "b", "c"):
         assert effect.delay(key).get(timeout=30) == key
@@ -115,11 +116,11 @@ def test_lost_lease_rolls_back_when_the_main_process_stalls(spawn, client, db, t
     frozen container), so nothing renews the lease; it lapses, and another worker takes
     the message. The first attempt's fenced delete then finds no row: its effects and
     its follow-up vanish, and the other worker's commit is the only one."""
-    stalled = spawn("prefork", visibility_timeout=2, polling_interval=0.2)
+    stalled = spawn(pool="prefork", visibility_timeout=2, polling_interval=0.2)
     effect = client.tasks["atomic.effect"]
     effect.delay("once", gate="g", follow="child")
     wait_for(lambda: attempts(db, tables)["once"], 30, "the first attempt", stalled)
-    other = spawn("prefork", visibility_timeout=2, polling_interval=0.2)
+    other = spawn(pool="prefork", visibility_timeout=2, polling_interval=0.2)
     stalled.proc.send_signal(signal.SIGSTOP)
     try:
         wait_for(lambda: attempts(db, tables)["once"] >= 2, 60, "a second delivery", other)
@@ -138,7 +139,7 @@ def test_lost_lease_rolls_back(spawn, client, db, tables):
     waits: the row's lease is changed and its time is up, as a claim by another consumer
     after the lease lapsed leaves it. The worker claims the message again (a second
     attempt); the first attempt's fenced delete finds no row and rolls back."""
-    worker = spawn("threads", polling_interval=0.2)
+    worker = spawn(pool="threads", polling_interval=0.2)
     effect = client.tasks["atomic.effect"]
     effect.delay("once", gate="g", follow="child")
     wait_for(lambda: attempts(db, tables)["once"], 30, "the first attempt", worker)
@@ -159,9 +160,9 @@ def test_lost_lease_rolls_back(spawn, client, db, tables):
 def test_long_task_keeps_its_lease(spawn, client, db, tables):
     """A task five times longer than the visibility timeout commits once: the worker's
     lease keeper renews the very lease the task's transaction acks with."""
-    worker = spawn("prefork", visibility_timeout=1, polling_interval=0.2)
+    worker = spawn(pool="prefork", visibility_timeout=1, polling_interval=0.2)
     # a second worker with idle processes, ready to take a lease that lapses
-    other = spawn("prefork", visibility_timeout=1, polling_interval=0.2)
+    other = spawn(pool="prefork", visibility_timeout=1, polling_interval=0.2)
     effect = client.tasks["atomic.effect"]
     result = effect.delay("long", gate="g")
     wait_for(lambda: attempts(db, tables)["long"], 30, "the task to start", worker, other)
@@ -189,14 +190,14 @@ def test_long_task_keeps_its_lease(spawn, client, db, tables):
 def test_killed_worker_runs_the_task_again_without_its_effects(spawn, client, db, tables):
     """SIGKILL while the transaction is open: nothing was committed, and the message is
     delivered again when its lease ends; the second run's effect is the only one."""
-    worker = spawn("prefork", visibility_timeout=2, polling_interval=0.2)
+    worker = spawn(pool="prefork", visibility_timeout=2, polling_interval=0.2)
     effect = client.tasks["atomic.effect"]
     effect.delay("killed", gate="g")
     wait_for(lambda: attempts(db, tables)["killed"], 30, "the task to start", worker)
     worker.kill()
     assert not effects(db, tables)
     open_gate(db, tables, "g")
-    again = spawn("prefork", visibility_timeout=2, polling_interval=0.2)
+    again = spawn(pool="prefork", visibility_timeout=2, polling_interval=0.2)
     wait_for(lambda: effects(db, tables)["killed"], 30, "the second run to commit", again)
     wait_for(lambda: not messages(db, tables), 30, "an empty queue", again)
     assert effects(db, tables) == {"killed": 1}

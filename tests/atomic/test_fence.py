@@ -15,6 +15,7 @@ from datetime import datetime
 import plans
 import psycopg
 import pytest
+from helpers import row_count
 from psycopg import sql
 from waiting import wait_for
 
@@ -48,20 +49,13 @@ def app_conn(dsn: str) -> Iterator[psycopg.Connection]:
         yield conn
 
 
-def _count(db: psycopg.Connection, schema: str) -> int:
-    row = db.execute(
-        sql.SQL("SELECT count(*) FROM {}.message_store").format(sql.Identifier(schema))
-    )
-    return int(row.fetchone()[0])  # type: ignore[index]
-
-
 def test_ack_in_transaction_commits_with_the_work(store, fence, app_conn, db, schema):
     delivery = _claimed(store)
     assert fence.ack(fence.enlist(app_conn), delivery)
     # deleted, not committed: every other session still sees the message, held by its lease
-    assert _count(db, schema) == 1
+    assert row_count(db, schema) == 1
     app_conn.commit()
-    assert _count(db, schema) == 0
+    assert row_count(db, schema) == 0
 
 
 def test_ack_in_transaction_rolled_back_leaves_the_delivery_as_it_was(
@@ -70,7 +64,7 @@ def test_ack_in_transaction_rolled_back_leaves_the_delivery_as_it_was(
     delivery = _claimed(store)
     assert fence.ack(fence.enlist(app_conn), delivery)
     app_conn.rollback()
-    assert _count(db, schema) == 1
+    assert row_count(db, schema) == 1
     assert store.ack(delivery.message_id, delivery.lease)  # still this delivery's
 
 
@@ -121,7 +115,7 @@ def test_settle_commits_the_work_and_the_ack_in_one(store, fence, begin, db, sch
     transaction = begin()
     _work(transaction.handle, schema)
     assert _settle(fence, transaction, delivery)
-    assert _count(db, schema) == 0 and _has_work(db, schema)
+    assert row_count(db, schema) == 0 and _has_work(db, schema)
     assert transaction.handle.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
 
 
@@ -135,7 +129,7 @@ def test_settle_of_an_attempt_that_wrote_nothing_opens_its_transaction(
     notices: list[str] = []
     transaction.handle.add_notice_handler(lambda diag: notices.append(diag.message_primary or ""))
     assert _settle(fence, transaction, delivery)
-    assert _count(db, schema) == 0
+    assert row_count(db, schema) == 0
     assert notices == []
 
 
@@ -146,7 +140,7 @@ def test_settle_of_a_lost_lease_rolls_the_work_back(store, fence, begin, db, sch
     _work(transaction.handle, schema)
     assert not _settle(fence, transaction, first)
     assert not _has_work(db, schema)
-    assert _count(db, schema) == 1  # the other delivery's, untouched
+    assert row_count(db, schema) == 1  # the other delivery's, untouched
     transaction.handle.execute("SELECT 1")  # the connection goes on
     transaction.close()
 
@@ -158,7 +152,7 @@ def test_settle_refused_otherwise_raises_and_commits_nothing(store, fence, begin
     with pytest.raises(ServerUnavailable, match="read-only"):
         _settle(fence, transaction, delivery)
     transaction.close()
-    assert _count(db, schema) == 1
+    assert row_count(db, schema) == 1
     assert store.ack(delivery.message_id, delivery.lease)  # still this delivery's
 
 
@@ -182,7 +176,7 @@ def test_settle_whose_commit_fails_raises_and_commits_nothing(store, fence, begi
     with pytest.raises(psycopg.errors.NoDataFound, match="refused at commit"):
         _settle(fence, transaction, delivery)
     transaction.close()
-    assert _count(db, schema) == 1
+    assert row_count(db, schema) == 1
     assert store.ack(delivery.message_id, delivery.lease)  # still this delivery's
 
 
@@ -206,7 +200,7 @@ def test_settle_on_a_connection_that_died_raises_a_connection_error(
     with pytest.raises(psycopg.OperationalError):
         _settle(fence, transaction, delivery)
     transaction.close()
-    assert _count(db, schema) == 1 and not _has_work(db, schema)
+    assert row_count(db, schema) == 1 and not _has_work(db, schema)
     assert begin().handle.execute("SELECT 1").fetchone() == (1,)  # connects afresh
 
 
@@ -262,7 +256,7 @@ def test_a_signal_interrupts_a_settle_that_waits(store, fence, begin, db, schema
         gone = "SELECT count(*) = 0 FROM pg_stat_activity WHERE pid = %s"
         wait_for(lambda: db.execute(gone, (backend,)).fetchone() == (True,), 30, "it to end")
         locker.rollback()
-    assert _count(db, schema) == 1 and not _has_work(db, schema)
+    assert row_count(db, schema) == 1 and not _has_work(db, schema)
     assert store.ack(delivery.message_id, delivery.lease)  # still this delivery's
     assert begin().handle.execute("SELECT 1").fetchone() == (1,)
 
@@ -355,7 +349,7 @@ def test_ack_after_an_atomic_commit_is_no_late_ack(
         held.ack(delivery.tag)
         held.flush_acks()
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
-    assert _count(db, schema) == 0
+    assert row_count(db, schema) == 0
 
 
 def test_ack_of_a_failed_atomic_task_deletes_the_row(held, store, db, schema):
@@ -365,7 +359,7 @@ def test_ack_of_a_failed_atomic_task_deletes_the_row(held, store, db, schema):
     atomic.expect(delivery.tag)
     held.ack(delivery.tag)
     held.flush_acks()
-    assert _count(db, schema) == 0
+    assert row_count(db, schema) == 0
 
 
 def test_ack_committed_in_this_process_sends_nothing(held, store, db, schema):
@@ -376,7 +370,7 @@ def test_ack_committed_in_this_process_sends_nothing(held, store, db, schema):
     held.ack(delivery.tag)
     held.flush_acks()
     # nothing was sent: had the task not deleted the row, it would still be there
-    assert _count(db, schema) == 1
+    assert row_count(db, schema) == 1
 
 
 def test_other_late_acks_are_still_warned_about(held, store, caplog):
@@ -419,6 +413,6 @@ def test_a_kombu_consumer_acks_in_its_own_transaction(connection, dsn, db, schem
     with caplog.at_level(logging.WARNING, logger="kombu_pgqueue"):
         message.ack()
     assert not caplog.records
-    assert _count(db, schema) == 0
+    assert row_count(db, schema) == 0
     effect = db.execute(sql.SQL("SELECT n FROM {}.effect").format(sql.Identifier(schema)))
     assert effect.fetchall() == [(1,)]

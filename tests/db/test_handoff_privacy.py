@@ -19,12 +19,12 @@ from contextlib import contextmanager
 import psycopg
 import pytest
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from helpers import counter
 from kombu import Connection, Consumer, Producer, Queue
 from kombu.message import Message
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from kombu_pgqueue import _counters
 from kombu_pgqueue._handoffs import seal, signature
 from kombu_pgqueue._listener import Wakeups, legacy_token
 from kombu_pgqueue._sql import LOCKS
@@ -66,10 +66,6 @@ def _readings(payload: str) -> list[str]:
     return found
 
 
-def _count(event: str) -> int:
-    return _counters.snapshot().get((event, QUEUE), 0)
-
-
 def test_a_role_without_grants_learns_no_body_argument_or_queue_name(
     make_connection: Callable[..., Connection], db: psycopg.Connection, dsn: str, role: str
 ) -> None:
@@ -85,12 +81,12 @@ def test_a_role_without_grants_learns_no_body_argument_or_queue_name(
     with _listening(dsn, role, channel) as stranger:
         with Consumer(worker, [Queue(QUEUE)], callbacks=[lambda b, m: got.append(m)]):
             worker.transport.consumer.deliver_pending(inline=True)  # drained: waits
-            before = _count("handoffs")
+            before = counter("handoffs", QUEUE)
             Producer(publisher).publish(
                 body, routing_key=QUEUE, headers={"argsrepr": "('alice', 123456)"}
             )
             worker.drain_events(timeout=10)
-            assert _count("handoffs") == before + 1  # handed off, not claimed
+            assert counter("handoffs", QUEUE) == before + 1  # handed off, not claimed
             assert [m.decode() for m in got] == [body]
             got[0].ack()
         with Consumer(waker, [Queue(QUEUE)], callbacks=[lambda b, m: got.append(m)]):

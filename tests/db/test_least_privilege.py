@@ -24,6 +24,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from helpers import row_count
 from kombu import Connection, Consumer, Exchange, Producer, Queue
 from psycopg import errors, sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
@@ -104,14 +105,6 @@ def roles(dsn: str, db: psycopg.Connection, schema: str) -> Iterator[Roles]:
                 db.execute(sql.SQL("DROP ROLE {}").format(_ident(role)))
 
 
-def _count(db: psycopg.Connection, schema: str, table: str) -> int:
-    row = db.execute(
-        sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(schema, table))
-    ).fetchone()
-    assert row is not None
-    return int(row[0])
-
-
 def _connect(roles: Roles, role: str, schema: str) -> Connection:
     conn = Connection(
         roles.url_for(role),
@@ -182,7 +175,7 @@ def test_app_publishes_and_worker_consumes_acks_requeues_and_dead_letters(
                 delivered_all, 30, "the worker role to get all five deliveries", details=lambda: got
             )
 
-        assert _count(db, schema, "message_store") == 0
+        assert row_count(db, schema) == 0
         dead = db.execute(
             sql.SQL("SELECT reason FROM {}").format(sql.Identifier(schema, "dead_letter"))
         ).fetchall()
@@ -217,7 +210,7 @@ def test_app_and_worker_roles_cannot_change_the_schema(
         query = sql.SQL(statement.replace("{schema}", "{}")).format(sql.Identifier(schema))
         with pytest.raises(errors.InsufficientPrivilege):
             conn.execute(query)
-    assert _count(db, schema, "message_store") == 0
+    assert row_count(db, schema) == 0
     assert db.execute(
         "SELECT count(*) FROM pg_tables WHERE schemaname = %s AND tablename = 'message'",
         (schema,),

@@ -10,7 +10,6 @@ import json
 import os
 import socket
 import subprocess
-import sys
 import textwrap
 import urllib.error
 import urllib.request
@@ -21,6 +20,7 @@ from typing import Any
 import pytest
 from celery import Celery
 from celery_apps import celery_app
+from celery_workers import workers
 from waiting import Process, wait_for
 
 pytestmark = pytest.mark.celery
@@ -34,6 +34,7 @@ APP_MODULE = """
 import os
 
 from celery_apps import celery_app
+from celery_workers import workers
 
 app = celery_app(
     os.environ["FLOWER_TEST_DSN"],
@@ -114,54 +115,44 @@ def flower_env(dsn: str, schema: str, tmp_path: Path) -> dict[str, str]:
     return env
 
 
-def spawn(name: str, args: list[str], env: dict[str, str], log: Path) -> Process:
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", *args],
-            cwd=log.parent,
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-    return Process(name, proc, log)
-
-
 @pytest.fixture
 def worker(flower_env: dict[str, str], tmp_path: Path) -> Iterator[Process]:
-    worker = spawn(
-        "worker",
-        ["celery", "-A", "flowerapp", "worker", "-E", "-P", "threads", "-c", "2",
-         "-n", WORKER, "--without-mingle", "--without-gossip", "-l", "info"],
-        flower_env,
-        tmp_path / "worker.log",
-    )  # fmt: skip
-    try:
-        yield worker
-    finally:
-        stop(worker.proc)
+    with workers(tmp_path) as started:
+        worker = started.run(
+            "worker",
+            ["-A", "flowerapp", "worker", "-E", "-P", "threads", "-c", "2",
+             "-n", WORKER, "--without-mingle", "--without-gossip", "-l", "info"],
+            cwd=tmp_path,
+            env=flower_env,
+        )  # fmt: skip
+        try:
+            yield worker
+        finally:
+            stop(worker.proc)
 
 
 @pytest.fixture
 def flower(flower_env: dict[str, str], tmp_path: Path) -> Iterator[tuple[str, Process]]:
     port = free_port()
-    flower = spawn(
-        "flower",
-        ["celery", "-A", "flowerapp", "flower", f"--port={port}", "--address=127.0.0.1"],
-        flower_env,
-        tmp_path / "flower.log",
-    )
     base = f"http://127.0.0.1:{port}"
-    try:
-        wait_for(
-            lambda: get_status(base + "/healthcheck") == (200, "OK"),
-            DEADLINE,
-            "Flower to answer /healthcheck",
-            flower,
-            ignore=NOT_UP_YET,
+    with workers(tmp_path) as started:
+        flower = started.run(
+            "flower",
+            ["-A", "flowerapp", "flower", f"--port={port}", "--address=127.0.0.1"],
+            cwd=tmp_path,
+            env=flower_env,
         )
-        yield base, flower
-    finally:
-        stop(flower.proc)
+        try:
+            wait_for(
+                lambda: get_status(base + "/healthcheck") == (200, "OK"),
+                DEADLINE,
+                "Flower to answer /healthcheck",
+                flower,
+                ignore=NOT_UP_YET,
+            )
+            yield base, flower
+        finally:
+            stop(flower.proc)
 
 
 @pytest.fixture

@@ -13,26 +13,23 @@ import os
 
 import psycopg
 from celery import Celery
+from celery_apps import celery_app, lazy_app
 from psycopg import sql
-
-import celery_pgqueue  # noqa: F401 - registers pgqueue://
 
 
 def make_app(broker_url: str, schema: str) -> Celery:
-    app = Celery("failover", set_as_current=False)
-    app.conf.update(
-        broker_url=broker_url,
-        broker_transport_options={
-            "schema": schema,
-            "polling_interval": 0.5,
-            "visibility_timeout": 10,
-            "statement_timeout": 5,
+    app = celery_app(
+        broker_url,
+        schema,
+        main="failover",
+        results=False,
+        statement_timeout=5,
+        conf={
+            "broker_connection_max_retries": None,
+            "task_acks_late": True,
+            "task_ignore_result": True,
+            "worker_hijack_root_logger": True,
         },
-        broker_connection_retry_on_startup=True,
-        broker_connection_max_retries=None,
-        task_acks_late=True,
-        task_ignore_result=True,
-        worker_hijack_root_logger=True,
     )
     ledger_dsn = os.environ.get("PGQUEUE_LEDGER_DSN", "")
     ledger = sql.Identifier(*os.environ.get("PGQUEUE_LEDGER", "public.ledger").split("."))
@@ -45,6 +42,10 @@ def make_app(broker_url: str, schema: str) -> Celery:
     return app
 
 
-app = make_app(
-    os.environ.get("PGQUEUE_BROKER_URL", "pgqueue://"), os.environ.get("PGQUEUE_SCHEMA", "pgqueue")
+__getattr__ = lazy_app(
+    globals(),
+    lambda: make_app(
+        os.environ.get("PGQUEUE_BROKER_URL", "pgqueue://"),
+        os.environ.get("PGQUEUE_SCHEMA", "pgqueue"),
+    ),
 )

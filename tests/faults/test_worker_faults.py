@@ -11,11 +11,11 @@ from pathlib import Path
 import psycopg
 import pytest
 from celery import Celery
-from celery_workers import workers
+from celery_workers import Worker, WorkerApp
 from clusters import Cluster
 from failover_app import make_app
 from psycopg import sql
-from waiting import Process, wait_for
+from waiting import wait_for
 
 import kombu_pgqueue
 
@@ -40,39 +40,33 @@ def ledger(db: psycopg.Connection, schema: str) -> Callable[[], list[str]]:
 
 
 @pytest.fixture
-def spawn(dsn: str, schema: str, tmp_path: Path) -> Iterator[Callable[[str], Process]]:
-    with workers(tmp_path) as started:
+def worker_app(dsn: str, schema: str) -> WorkerApp:
+    """``celery -A failover_app worker``: ``spawn(broker_url=URL, queues=None)``."""
 
-        def spawn(broker_url: str) -> Process:
-            env = {
-                **os.environ,
-                "PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent)]),
-                "PGQUEUE_BROKER_URL": broker_url,
-                "PGQUEUE_SCHEMA": SCHEMA,
-                "PGQUEUE_LEDGER_DSN": dsn,
-                "PGQUEUE_LEDGER": f"{schema}.ledger",
-            }
-            return started.start(
-                "failover_app",
-                f"worker{len(started.started)}",
-                cwd=HERE,
-                env=env,
-                options=("-P", "prefork", "-c", "2"),
-            )
+    def env(broker_url: str) -> dict[str, str]:
+        return {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent)]),
+            "PGQUEUE_BROKER_URL": broker_url,
+            "PGQUEUE_SCHEMA": SCHEMA,
+            "PGQUEUE_LEDGER_DSN": dsn,
+            "PGQUEUE_LEDGER": f"{schema}.ledger",
+        }
 
-        yield spawn
+    return WorkerApp("failover_app", HERE, env)
 
 
 @pytest.fixture
-def publisher() -> Iterator[Callable[[str], Celery]]:
+def client_for() -> Iterator[Callable[[str], Celery]]:
+    """``client_for(broker_url)``: an app that sends ``failover_app``'s tasks there."""
     made: list[Celery] = []
 
-    def publisher(broker_url: str) -> Celery:
+    def client_for(broker_url: str) -> Celery:
         app = make_app(broker_url, SCHEMA)
         made.append(app)
         return app
 
-    yield publisher
+    yield client_for
     for app in made:
         app.close()
 
@@ -85,18 +79,18 @@ def _quiet(log: str) -> None:
 
 def test_a_worker_waits_out_a_read_only_database_and_consumes_after(
     primary: Cluster,
-    spawn: Callable[[str], Process],
-    publisher: Callable[[str], Celery],
+    spawn: Callable[..., Worker],
+    client_for: Callable[[str], Celery],
     ledger: Callable[[], list[str]],
 ) -> None:
     kombu_pgqueue.migrate(primary.dsn, SCHEMA)
     url = f"pgqueue://postgres@127.0.0.1:{primary.port}/postgres"
     primary.set_read_only(True)
-    worker = spawn(url)
+    worker = spawn(broker_url=url, queues=None)
     wait_for(lambda: worker.says("is read-only"), 30, "the worker to say it waits", worker)
 
     primary.set_read_only(False)
-    publisher(url).send_task("failover.record", ("after",))
+    client_for(url).send_task("failover.record", ("after",))
 
     wait_for(lambda: ledger() == ["after"], 60, "the task to run", worker)
     assert worker.proc.poll() is None
@@ -106,8 +100,8 @@ def test_a_worker_waits_out_a_read_only_database_and_consumes_after(
 @pytest.mark.parametrize("form", ["failover list", "multi-host URL"])
 def test_a_running_worker_follows_a_failover_to_the_promoted_standby(
     primary_and_standby: Callable[..., tuple[Cluster, Cluster]],
-    spawn: Callable[[str], Process],
-    publisher: Callable[[str], Celery],
+    spawn: Callable[..., Worker],
+    client_for: Callable[[str], Celery],
     ledger: Callable[[], list[str]],
     form: str,
 ) -> None:
@@ -122,8 +116,8 @@ def test_a_running_worker_follows_a_failover_to_the_promoted_standby(
             "pgqueue+postgresql://postgres@/postgres?host=127.0.0.1,127.0.0.1"
             f"&port={primary.port},{standby.port}&target_session_attrs=read-write"
         )
-    worker = spawn(url)
-    app = publisher(url)
+    worker = spawn(broker_url=url, queues=None)
+    app = client_for(url)
     app.send_task("failover.record", ("before",))
     wait_for(lambda: ledger() == ["before"], 60, "the first task to run", worker)
 

@@ -4,7 +4,8 @@
 ``PGQUEUE_SCHEMA`` (see :func:`process_env`); the worker serves metrics on
 ``--pgqueue-metrics-port``, with the queue gauges, through
 :func:`celery_pgqueue.metrics.install`. Its task ``metrics.hold`` runs until its gate
-is opened (a row in the schema's ``gate`` table, see :func:`create_gates`), or at once.
+is opened (a row in the schema's ``gate`` table, see :func:`create_gates` and
+``helpers.open_gate``), or at once.
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ from pathlib import Path
 import psycopg
 from celery import Celery
 from celery_apps import celery_app, lazy_app
+from helpers import wait_gate
 from prometheus_client.parser import text_string_to_metric_families
 from psycopg import sql
-from waiting import wait_for
 
 from celery_pgqueue import metrics
 
@@ -62,15 +63,9 @@ def process_env(dsn: str, schema: str) -> dict[str, str]:
 
 def create_gates(conn: psycopg.Connection, schema: str) -> None:
     """The gate table of ``metrics.hold`` in ``schema`` (which must exist)."""
-    conn.execute(sql.SQL("CREATE TABLE {} (name text PRIMARY KEY)").format(_gates(schema)))
-
-
-def open_gate(conn: psycopg.Connection, schema: str, name: str) -> None:
-    conn.execute(sql.SQL("INSERT INTO {} (name) VALUES (%s)").format(_gates(schema)), (name,))
-
-
-def _gates(schema: str) -> sql.Identifier:
-    return sql.Identifier(schema, "gate")
+    conn.execute(
+        sql.SQL("CREATE TABLE {} (name text PRIMARY KEY)").format(sql.Identifier(schema, "gate"))
+    )
 
 
 def make_app(dsn: str, schema: str) -> Celery:
@@ -93,12 +88,9 @@ def make_app(dsn: str, schema: str) -> Celery:
 
     @app.task(name="metrics.hold", shared=False)
     def hold(gate: str | None = None) -> None:
-        """Run until gate ``gate`` is opened (:func:`open_gate`); without one, at once."""
-        if gate is None:
-            return
-        query = sql.SQL("SELECT 1 FROM {} WHERE name = %s").format(_gates(schema))
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            wait_for(lambda: conn.execute(query, (gate,)).fetchone(), GATE_LIMIT, f"gate {gate!r}")
+        """Run until gate ``gate`` is opened (``helpers.open_gate``); without one, at once."""
+        if gate is not None:
+            wait_gate(dsn, schema, gate, GATE_LIMIT)
 
     @app.task(name="metrics.hold_early", shared=False, acks_late=False)
     def hold_early(gate: str | None = None) -> None:

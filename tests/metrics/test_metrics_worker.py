@@ -14,7 +14,8 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from metrics_app import Samples, create_gates, make_app, open_gate, process_env, scrape, value
+from helpers import open_gate
+from metrics_app import Samples, create_gates, make_app, process_env, scrape, value
 from waiting import Process, wait_for
 
 import kombu_pgqueue

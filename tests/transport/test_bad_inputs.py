@@ -10,8 +10,8 @@ from typing import Any
 
 import psycopg
 import pytest
+from helpers import row_count
 from kombu import Connection, Consumer, Exchange, Producer, Queue
-from psycopg import sql
 
 from kombu_pgqueue import ConfigurationError, MessageError, PgQueueError
 from kombu_pgqueue.codec import MAX_MESSAGE_BYTES
@@ -28,14 +28,6 @@ NAMES = [
     "q" * 300,
     "é" * 300,
 ]
-
-
-def _count(db: psycopg.Connection, schema: str, table: str) -> int:
-    row = db.execute(
-        sql.SQL("SELECT count(*) FROM {}.{}").format(sql.Identifier(schema), sql.Identifier(table))
-    ).fetchone()
-    assert row is not None
-    return int(row[0])
 
 
 @pytest.mark.parametrize("name", NAMES, ids=range(len(NAMES)))
@@ -63,7 +55,7 @@ def test_awkward_queue_and_exchange_names_work_end_to_end(
     assert store.queue_exists(name)
     assert store.exchange_type(name) == "direct"
     assert store.bindings(name) == [(name, None, name)]
-    assert _count(db, schema, "message_store") == 0  # the table is still there, and empty
+    assert row_count(db, schema) == 0  # the table is still there, and empty
 
 
 @pytest.mark.parametrize("name", NAMES[:6], ids=range(6))
@@ -118,7 +110,7 @@ def test_nul_in_a_name_raises_configuration_error(
         action(connection)
 
     assert isinstance(caught.value, ValueError)
-    assert _count(db, schema, "message_store") == 0
+    assert row_count(db, schema) == 0
 
 
 def _publish_routed(conn: Connection, routing_key: str) -> None:
@@ -151,7 +143,7 @@ def test_nul_in_a_routing_key_raises_a_pgqueue_value_error(
         action(connection)
 
     assert isinstance(caught.value, ValueError)
-    assert _count(db, schema, "message_store") == 0
+    assert row_count(db, schema) == 0
 
 
 def test_a_body_as_large_as_a_message_may_be_round_trips(
@@ -191,7 +183,7 @@ def test_a_message_over_what_postgresql_takes_is_refused_at_once_naming_its_size
     assert "message for queue 'huge' takes 511 MiB" in str(caught.value)
     assert "over the 511 MiB" in str(caught.value)
     assert "send a reference" in str(caught.value)
-    assert _count(db, schema, "message_store") == 0
+    assert row_count(db, schema) == 0
     assert connection.default_channel.store.size("huge") == 0  # and the connection works
 
 
@@ -215,7 +207,7 @@ def test_publish_with_headers_that_are_not_json_raises_message_error(
     assert isinstance(direct.value, ValueError)
     assert "json-q" in str(direct.value)
     assert isinstance(routed.value, PgQueueError)
-    assert _count(db, schema, "message_store") == 0
+    assert row_count(db, schema) == 0
 
 
 def test_a_property_json_cannot_hold_is_dropped_not_the_message(

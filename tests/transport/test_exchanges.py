@@ -23,19 +23,19 @@ def _drain(conn: Connection, queue: str) -> list[object]:
 
 
 @pytest.fixture
-def publisher(make_connection: Callable[..., Connection]) -> Connection:
+def sender(make_connection: Callable[..., Connection]) -> Connection:
     """A second connection that never declares the exchanges it publishes to."""
     return make_connection()
 
 
 def test_direct_exchange_routes_by_key_across_connections(
-    connection: Connection, publisher: Connection
+    connection: Connection, sender: Connection
 ) -> None:
     exchange = Exchange("direct-x", "direct")
     for name, key in (("red-q", "red"), ("blue-q", "blue"), ("red-q2", "red")):
         Queue(name, exchange, key)(connection.default_channel).declare()
 
-    producer = Producer(publisher)
+    producer = Producer(sender)
     producer.publish("r", exchange="direct-x", routing_key="red")
     producer.publish("b", exchange="direct-x", routing_key="blue")
     producer.publish("nobody", exchange="direct-x", routing_key="green")
@@ -57,21 +57,21 @@ def test_direct_exchange_routes_by_key_across_connections(
     ],
 )
 def test_topic_exchange_routes_by_pattern_across_connections(
-    connection: Connection, publisher: Connection, routing_key: str, expected: set[str]
+    connection: Connection, sender: Connection, routing_key: str, expected: set[str]
 ) -> None:
     exchange = Exchange("topic-x", "topic")
     bindings = {"all-stock": "stock.#", "any-eur": "*.eur", "usd-stock": "stock.usd"}
     for name, key in bindings.items():
         Queue(name, exchange, key)(connection.default_channel).declare()
 
-    Producer(publisher).publish(routing_key, exchange="topic-x", routing_key=routing_key)
+    Producer(sender).publish(routing_key, exchange="topic-x", routing_key=routing_key)
 
     reached = {name for name in bindings if _drain(connection, name) == [routing_key]}
     assert reached == expected
 
 
 def test_topic_exchange_routes_like_kombus_own_matcher(
-    connection: Connection, publisher: Connection
+    connection: Connection, sender: Connection
 ) -> None:
     # the patterns are kombu's Python regexes, evaluated by PostgreSQL; they must agree
     bindings = {
@@ -109,7 +109,7 @@ def test_topic_exchange_routes_like_kombus_own_matcher(
     ]
 
     for key in keys:
-        Producer(publisher).publish(key, exchange="oracle-x", routing_key=key)
+        Producer(sender).publish(key, exchange="oracle-x", routing_key=key)
 
     for name, binding in bindings.items():
         pattern = matcher.key_to_pattern(binding)
@@ -118,64 +118,64 @@ def test_topic_exchange_routes_like_kombus_own_matcher(
 
 
 def test_fanout_exchange_reaches_every_bound_queue_across_connections(
-    connection: Connection, publisher: Connection, make_connection: Callable[..., Connection]
+    connection: Connection, sender: Connection, make_connection: Callable[..., Connection]
 ) -> None:
     exchange = Exchange("fan-x", "fanout")
     Queue("fan-1", exchange)(connection.default_channel).declare()
     third = make_connection()
     Queue("fan-2", exchange)(third.default_channel).declare()
 
-    Producer(publisher).publish({"event": "hello"}, exchange="fan-x", routing_key="ignored")
+    Producer(sender).publish({"event": "hello"}, exchange="fan-x", routing_key="ignored")
 
     assert _drain(connection, "fan-1") == [{"event": "hello"}]
     assert _drain(third, "fan-2") == [{"event": "hello"}]
 
 
 def test_fanout_consumer_on_one_connection_gets_what_another_publishes(
-    connection: Connection, publisher: Connection
+    connection: Connection, sender: Connection
 ) -> None:
     exchange = Exchange("fan-live", "fanout")
     got: list[object] = []
     queue = Queue("fan-live-q", exchange)
     with Consumer(connection, [queue], callbacks=[lambda body, m: (got.append(body), m.ack())]):
-        Producer(publisher).publish("broadcast", exchange="fan-live")
+        Producer(sender).publish("broadcast", exchange="fan-live")
         connection.drain_events(timeout=5)
 
     assert got == ["broadcast"]
 
 
 def test_queue_unbind_on_one_connection_stops_routing_from_another(
-    connection: Connection, publisher: Connection
+    connection: Connection, sender: Connection
 ) -> None:
     exchange = Exchange("unbind-x", "direct")
     bound = Queue("unbind-q", exchange, "k")(connection.default_channel)
     bound.declare()
-    Producer(publisher).publish("before", exchange="unbind-x", routing_key="k")
+    Producer(sender).publish("before", exchange="unbind-x", routing_key="k")
 
     bound.unbind_from(exchange, routing_key="k")
-    Producer(publisher).publish("after", exchange="unbind-x", routing_key="k")
+    Producer(sender).publish("after", exchange="unbind-x", routing_key="k")
 
     assert _drain(connection, "unbind-q") == ["before"]
 
 
 def test_exchange_declare_passive_sees_an_exchange_declared_elsewhere(
-    connection: Connection, publisher: Connection
+    connection: Connection, sender: Connection
 ) -> None:
     Exchange("declared-elsewhere", "topic")(connection.default_channel).declare()
 
-    publisher.default_channel.exchange_declare("declared-elsewhere", passive=True)
+    sender.default_channel.exchange_declare("declared-elsewhere", passive=True)
     with pytest.raises(ChannelError):
-        publisher.default_channel.exchange_declare("never-declared", passive=True)
+        sender.default_channel.exchange_declare("never-declared", passive=True)
 
 
 def test_exchange_delete_stops_routing_everywhere(
-    connection: Connection, publisher: Connection
+    connection: Connection, sender: Connection
 ) -> None:
     exchange = Exchange("deleted-x", "fanout")
     Queue("deleted-q", exchange)(connection.default_channel).declare()
 
     exchange(connection.default_channel).delete()
-    Producer(publisher).publish("lost", exchange="deleted-x")
+    Producer(sender).publish("lost", exchange="deleted-x")
 
     assert _drain(connection, "deleted-q") == []
 

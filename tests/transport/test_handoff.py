@@ -18,29 +18,25 @@ from typing import Any
 
 import psycopg
 import pytest
+from helpers import counter
 from kombu import Connection, Consumer, Producer, Queue
 from kombu.message import Message
+from waiting import wait_for
 
-from kombu_pgqueue import _counters
 from kombu_pgqueue._handoffs import handoff_fits
 from kombu_pgqueue._store import new_lease
 from kombu_pgqueue.records import Outgoing
-from tests.waiting import wait_for
 
 HOUR = 3600
 
 
-def _count(event: str, queue: str) -> int:
-    return _counters.snapshot().get((event, queue), 0)
-
-
 def _counts(queue: str) -> dict[str, int]:
     events = ("handoffs", "handbacks", "claimed", "empty_claims")
-    return {event: _count(event, queue) for event in events}
+    return {event: counter(event, queue) for event in events}
 
 
 def _since(before: dict[str, int], queue: str) -> dict[str, int]:
-    return {event: _count(event, queue) - n for event, n in before.items()}
+    return {event: counter(event, queue) - n for event, n in before.items()}
 
 
 def _row(db: psycopg.Connection, schema: str, queue: str) -> tuple[Any, ...] | None:

@@ -17,12 +17,13 @@ from typing import Any
 
 import psycopg
 import pytest
+from helpers import counter
 from kombu import Connection, Consumer, Exchange, Producer, Queue
 from psycopg import sql
 from waiting import wait_for
 
 import kombu_pgqueue
-from kombu_pgqueue import _counters, _pipelined
+from kombu_pgqueue import _pipelined
 from kombu_pgqueue.exceptions import ConfigurationError
 
 UNCONFIRMED = {"confirm_publish": False}
@@ -69,10 +70,6 @@ def _end_session(db: psycopg.Connection, pid: int) -> None:
     """Terminate the pipelined session ``pid`` and wait until it is gone."""
     db.execute("SELECT pg_terminate_backend(%s)", (pid,))
     wait_for(lambda: _gone(db, pid), 10, "the pipelined session to end")
-
-
-def _count(event: str, queue: str = "") -> int:
-    return _counters.snapshot().get((event, queue), 0)
 
 
 def _bodies(db: psycopg.Connection, schema: str, queue: str) -> list[Any]:
@@ -151,7 +148,7 @@ def test_a_failed_statement_is_logged_and_counted_and_the_next_publishes_go_on(
         ).format(sql.Identifier(schema, "binding")),
         ("uc_bad", "(", "uc_good", "("),
     )
-    failed = _count("publish_failed")
+    failed = counter("publish_failed")
 
     with caplog.at_level(logging.ERROR, logger="kombu_pgqueue._pipelined"):
         producer.publish({"n": 0}, routing_key="uc_good")
@@ -161,7 +158,7 @@ def test_a_failed_statement_is_logged_and_counted_and_the_next_publishes_go_on(
         producer.publish({"n": 3}, routing_key="uc_good")
         publisher.transport.flush_publishes()
 
-    assert _count("publish_failed") == failed + 1
+    assert counter("publish_failed") == failed + 1
     [record] = [r for r in caplog.records if "was not stored" in r.getMessage()]
     assert "exchange 'uc_bad'" in record.getMessage()
     assert "regular expression" in record.getMessage()
@@ -181,7 +178,7 @@ def test_a_lost_connection_raises_at_the_next_publish_and_publishing_goes_on(
     publisher.transport.flush_publishes()
     pid = _pipeline(publisher).backend_pid
     assert pid is not None
-    lost = _count("publish_lost", "uc_lost")
+    lost = counter("publish_lost", "uc_lost")
 
     with caplog.at_level(logging.ERROR, logger="kombu_pgqueue._pipelined"):
         with _inserts_wait(dsn, schema):
@@ -192,7 +189,7 @@ def test_a_lost_connection_raises_at_the_next_publish_and_publishing_goes_on(
         with pytest.raises(publisher.transport.connection_errors):
             producer.publish({"n": 4}, routing_key="uc_lost", retry=False)
 
-    assert _count("publish_lost", "uc_lost") == lost + 3
+    assert counter("publish_lost", "uc_lost") == lost + 3
     assert any("3 of them unanswered" in r.getMessage() for r in caplog.records)
     producer.publish({"n": 5}, routing_key="uc_lost", retry=False)
     publisher.transport.flush_publishes()
@@ -280,13 +277,13 @@ def test_an_unroutable_publish_is_reported_when_its_answer_is_read(
 ) -> None:
     publisher = make_connection(**UNCONFIRMED)
     publisher.default_channel.exchange_declare("uc_nowhere", "direct")
-    unroutable = _count("unroutable")
+    unroutable = counter("unroutable")
     with caplog.at_level(logging.WARNING, logger="kombu_pgqueue._unroutable"):
         Producer(publisher).publish({"n": 1}, exchange="uc_nowhere", routing_key="none")
-        assert _count("unroutable") == unroutable
+        assert counter("unroutable") == unroutable
         publisher.transport.flush_publishes()
 
-    assert _count("unroutable") == unroutable + 1
+    assert counter("unroutable") == unroutable + 1
     assert any("uc_nowhere" in r.getMessage() for r in caplog.records)
 
 

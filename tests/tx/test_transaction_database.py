@@ -103,7 +103,7 @@ def test_a_sqlalchemy_session_on_another_database_fails_celery_delay(
 
 
 @pytest.fixture
-def publisher(db: psycopg.Connection, schema: str, connection: Connection) -> Iterator[str]:
+def publishing_role(db: psycopg.Connection, schema: str, connection: Connection) -> Iterator[str]:
     """A role that may only use the broker's schema: no function, setting or catalogue
     privilege beyond what every role has."""
     name = f"pgq_pub_{uuid.uuid4().hex[:8]}"
@@ -125,9 +125,9 @@ def publisher(db: psycopg.Connection, schema: str, connection: Connection) -> It
 
 
 def test_an_unprivileged_role_on_the_brokers_database_publishes(
-    connection: Connection, dsn: str, schema: str, publisher: str
+    connection: Connection, dsn: str, schema: str, publishing_role: str
 ) -> None:
-    with psycopg.connect(make_conninfo(dsn, user=publisher)) as conn:
+    with psycopg.connect(make_conninfo(dsn, user=publishing_role)) as conn:
         with conn.transaction(), kombu_pgqueue.transaction(conn):
             Producer(connection).publish({"n": 1}, routing_key=QUEUE)
 

@@ -24,10 +24,10 @@ from typing import Any
 import psycopg
 from celery import Celery
 from celery_apps import celery_app, lazy_app
+from helpers import wait_gate
 from kombu import Queue
 from kombu.common import Broadcast
 from psycopg import sql
-from waiting import wait_for
 
 #: how long a blocked task waits for its gate (it must never outlive a test)
 GATE_LIMIT = 60.0
@@ -64,7 +64,7 @@ class Ledger:
     def __init__(self, dsn: str, schema: str) -> None:
         self.dsn = dsn
         self.table = sql.Identifier(schema, "ledger")
-        self.gate_table = sql.Identifier(schema, "ledger_gate")
+        self.schema = schema
 
     def start(self, task: Any, label: str) -> int:
         """Write down that ``task`` started; return the run number."""
@@ -95,9 +95,7 @@ class Ledger:
             )
 
     def wait_gate(self, gate: str) -> None:
-        with psycopg.connect(self.dsn, autocommit=True) as conn:
-            query = sql.SQL("SELECT 1 FROM {} WHERE name = %s").format(self.gate_table)
-            wait_for(lambda: conn.execute(query, (gate,)).fetchone(), GATE_LIMIT, f"gate {gate!r}")
+        wait_gate(self.dsn, self.schema, gate, GATE_LIMIT, table="ledger_gate")
 
 
 def process_env(dsn: str, schema: str, **settings: Any) -> dict[str, str]:

@@ -28,8 +28,8 @@ from typing import Any
 import psycopg
 from celery import Celery
 from celery_apps import celery_app, lazy_app
+from helpers import wait_gate
 from psycopg import sql
-from waiting import wait_for
 
 #: how long a task waits for its gate before giving up (it must never outlive a test)
 GATE_LIMIT = 90.0
@@ -64,16 +64,6 @@ def create_ledger(conn: psycopg.Connection, schema: str, ledger: str = "ledger")
         sql.SQL("CREATE TABLE {gate} (name text PRIMARY KEY)").format(
             gate=sql.Identifier(schema, f"{ledger}_gate")
         )
-    )
-
-
-def open_gate(conn: psycopg.Connection, schema: str, name: str, ledger: str = "ledger") -> None:
-    """Let every task waiting on gate ``name`` finish."""
-    conn.execute(
-        sql.SQL("INSERT INTO {gate} (name) VALUES (%s) ON CONFLICT DO NOTHING").format(
-            gate=sql.Identifier(schema, f"{ledger}_gate")
-        ),
-        (name,),
     )
 
 
@@ -141,7 +131,6 @@ def make_app(
     # shared=False: Celery's default (shared) registers a task with every app finalized
     # later, so a second make_app() would run the first one's closures (its DSN and ledger)
     # and warn DuplicateTaskNameWarning
-    gate_table = sql.Identifier(schema, f"{ledger}_gate")
 
     def start(task: Any, label: str) -> int:
         with psycopg.connect(dsn, autocommit=True) as conn:
@@ -172,11 +161,9 @@ def make_app(
 
     @app.task(name="lifecycle.block", bind=True, shared=False)
     def block(self: Any, label: str, gate: str) -> str:
-        """Run until gate ``gate`` is opened (see :func:`open_gate`)."""
+        """Run until gate ``gate`` is opened (``helpers.open_gate``, table ``<ledger>_gate``)."""
         run = start(self, label)
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            query = sql.SQL("SELECT 1 FROM {} WHERE name = %s").format(gate_table)
-            wait_for(lambda: conn.execute(query, (gate,)).fetchone(), GATE_LIMIT, f"gate {gate!r}")
+        wait_gate(dsn, schema, gate, GATE_LIMIT, table=f"{ledger}_gate")
         finish(run)
         return label
 

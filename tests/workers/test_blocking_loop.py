@@ -9,52 +9,23 @@ once its loop is back; a waiting worker of another pool gets the handoff.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
-from celery_workers import Worker, workers
-from lifecycle_app import create_ledger, make_app, open_gate, worker_env
+from helpers import open_gate
 from psycopg import sql
 from waiting import wait_for
 
-import kombu_pgqueue
-
 pytestmark = pytest.mark.celery
-
-HERE = Path(__file__).resolve().parent
 
 #: long enough that a message handed to a busy solo worker stays its own for the test
 VISIBILITY = 600
 
 
 @pytest.fixture
-def spawn(dsn: str, schema: str, tmp_path: Path) -> Iterator[Callable[..., Worker]]:
-    with workers(tmp_path) as started:
-
-        def spawn(name: str, pool: str, queues: str, **settings: Any) -> Worker:
-            return started.start(
-                "lifecycle_app",
-                name,
-                cwd=HERE,
-                env=worker_env(dsn, schema, visibility_timeout=VISIBILITY, **settings),
-                options=("-P", pool, "-c", "1", "-Q", queues),
-            )
-
-        yield spawn
-
-
-@pytest.fixture
-def publisher(dsn: str, schema: str, db: psycopg.Connection) -> Iterator[Any]:
-    kombu_pgqueue.migrate(dsn, schema)
-    create_ledger(db, schema)
-    app = make_app(dsn, schema, visibility_timeout=VISIBILITY)
-    try:
-        yield app
-    finally:
-        app.close()
+def lifecycle_options() -> dict[str, Any]:
+    return {"visibility_timeout": VISIBILITY}
 
 
 def finished(db: psycopg.Connection, schema: str, label: str) -> str | None:
@@ -71,8 +42,8 @@ def finished(db: psycopg.Connection, schema: str, label: str) -> str | None:
 def test_a_solo_worker_running_a_task_is_handed_nothing(spawn, publisher, db, schema):
     # prefetch 4: the solo worker's window has room while its one task runs, so it
     # waits for its queues all that time
-    solo = spawn("solo", "solo", "slow,celery", prefetch=4)
-    other = spawn("other", "prefork", "celery")
+    solo = spawn("solo", pool="solo", concurrency=1, queues="slow,celery", prefetch=4)
+    other = spawn("other", pool="prefork", concurrency=1, queues="celery")
     wait_for(
         lambda: solo.says(" ready.") and other.says(" ready."),
         30,
@@ -99,7 +70,7 @@ def test_a_solo_worker_running_a_task_is_handed_nothing(spawn, publisher, db, sc
         assert host.startswith("other@"), host
 
     assert finished(db, schema, "slow") is None
-    open_gate(db, schema, "gate")
+    open_gate(db, schema, "gate", table="ledger_gate")
     wait_for(lambda: finished(db, schema, "slow"), 30, "the solo worker's task to end", solo)
     assert "handoffs off" in solo.log()
     assert "Traceback" not in solo.log() + other.log()

@@ -8,13 +8,10 @@ results or logs.
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 import threading
 from collections.abc import Iterator
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -26,9 +23,10 @@ from celery import Celery
 from celery.contrib.testing.worker import start_worker
 from celery.exceptions import Reject
 from celery_apps import celery_app
+from celery_workers import WorkerApp, workers
 from psycopg import sql
 from psycopg.rows import dict_row
-from waiting import Process, wait_for
+from waiting import wait_for
 
 import kombu_pgqueue
 
@@ -92,52 +90,14 @@ def ledger(dsn: str, schema: str, db: psycopg.Connection) -> Ledger:
 
 
 @pytest.fixture
-def spawn(dsn: str, schema: str, tmp_path: Path, ledger: Ledger) -> Iterator[Any]:
-    """Start ``celery -A beat_app ARGS...`` processes; all are killed at the end."""
-    started: list[Process] = []
-
-    def spawn(name: str, *args: str, **settings: Any) -> Process:
-        log_path = tmp_path / f"{name}.log"
-        with open(log_path, "wb") as log:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "celery", "-A", "beat_app", *args, "-l", "info"],
-                cwd=HERE,
-                env=process_env(dsn, schema, **settings),
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        started.append(Process(name, proc, log_path))
-        return started[-1]
-
-    try:
-        yield spawn
-    finally:
-        for p in started:
-            try:  # the group outlives its leader while orphaned pool children run
-                os.killpg(p.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            p.proc.wait(timeout=10)
-
-
-def worker_args(hostname: str, pool: str = "threads", concurrency: int = 2) -> list[str]:
-    return [
-        "worker",
-        "-n",
-        hostname,
-        "-P",
-        pool,
-        "-c",
-        str(concurrency),
-        "--without-mingle",
-        "--without-gossip",
-        "--without-heartbeat",
-    ]
+def worker_app(dsn: str, schema: str, ledger: Ledger) -> WorkerApp:
+    """``celery -A beat_app worker`` (``spawn``); settings are ``process_env``'s."""
+    return WorkerApp("beat_app", HERE, partial(process_env, dsn, schema))
 
 
 @pytest.fixture
-def publisher(dsn: str, schema: str, ledger: Ledger) -> Iterator[Celery]:
+def client(dsn: str, schema: str, ledger: Ledger) -> Iterator[Celery]:
+    """The app that sends the tasks, with the broadcast queue ``bcast``."""
     app = make_app(dsn, schema, broadcast="bcast")
     try:
         yield app
@@ -173,18 +133,23 @@ def hold_task(app: Celery, ledger: Ledger, started: threading.Event, release: th
 # -- 1. celery beat ---------------------------------------------------------------
 
 
-def test_beat_schedules_through_pgqueue(spawn, db, schema, tmp_path):
-    worker = spawn("worker", *worker_args("beat-worker@feat"))
+def test_beat_schedules_through_pgqueue(spawn, db, dsn, schema, tmp_path):
+    worker = spawn("beat-worker@feat", pool="threads", queues=None)
     schedule = str(tmp_path / "schedule")
-    beat = spawn("beat", "beat", "-s", schedule, "--max-interval", "1", beat_every=1)
-
-    wait_for(
-        lambda: sum(r["finished_at"] is not None for r in runs(db, schema)) >= 3,
-        20,
-        "3 ticks sent by beat to run",
-        worker,
-        beat,
-    )
+    with workers(tmp_path) as started:
+        beat = started.run(
+            "beat",
+            ["-A", "beat_app", "beat", "-s", schedule, "--max-interval", "1", "-l", "info"],
+            cwd=HERE,
+            env=process_env(dsn, schema, beat_every=1),
+        )
+        wait_for(
+            lambda: sum(r["finished_at"] is not None for r in runs(db, schema)) >= 3,
+            20,
+            "3 ticks sent by beat to run",
+            worker,
+            beat,
+        )
     rows = runs(db, schema)
     assert {r["label"] for r in rows} == {"tick"}
     assert {r["hostname"] for r in rows} == {"beat-worker@feat"}
@@ -196,18 +161,18 @@ def test_beat_schedules_through_pgqueue(spawn, db, schema, tmp_path):
 # -- 2. broadcast queues ------------------------------------------------------------
 
 
-def test_broadcast_task_runs_once_on_every_worker(spawn, publisher, db, schema):
-    a = spawn("a", *worker_args("bcast-a@feat"), broadcast="bcast")
-    b = spawn("b", *worker_args("bcast-b@feat"), broadcast="bcast")
+def test_broadcast_task_runs_once_on_every_worker(spawn, client, db, schema):
+    a = spawn("bcast-a@feat", pool="threads", queues=None, broadcast="bcast")
+    b = spawn("bcast-b@feat", pool="threads", queues=None, broadcast="bcast")
     wait_for(lambda: a.says(" ready.") and b.says(" ready."), 30, "workers a and b ready", a, b)
     bound = _rows(
         db, "SELECT queue FROM {s}.binding WHERE exchange = 'bcast' ORDER BY queue", schema
     )
-    # one queue per worker process; the publisher declares none of its own
+    # one queue per worker process; the client declares none of its own
     assert len(bound) == 2 and all(r["queue"].startswith("bcast.") for r in bound), bound
 
-    fanout = publisher.send_task("feat.record", ("fanout",), queue="bcast").id
-    direct = publisher.send_task("feat.record", ("direct",)).id
+    fanout = client.send_task("feat.record", ("fanout",), queue="bcast").id
+    direct = client.send_task("feat.record", ("direct",)).id
     wait_for(
         lambda: (
             sorted(labels(db, schema)) == ["direct", "fanout", "fanout"]
@@ -219,7 +184,7 @@ def test_broadcast_task_runs_once_on_every_worker(spawn, publisher, db, schema):
         b,
     )
     # one more round trip on each worker: nothing else arrives late
-    later = publisher.send_task("feat.record", ("later",), queue="bcast").id
+    later = client.send_task("feat.record", ("later",), queue="bcast").id
     wait_for(lambda: labels(db, schema).count("later") == 2, 20, "the second broadcast", a, b)
 
     rows = runs(db, schema)
@@ -313,15 +278,15 @@ def test_expired_task_is_dropped_by_the_broker(app, ledger, db, schema):
 # -- 5. inspect active / reserved, revoke -------------------------------------------
 
 
-def test_inspect_active_reserved_and_revoke(spawn, publisher, db, schema):
+def test_inspect_active_reserved_and_revoke(spawn, client, db, schema):
     name = "inspect@feat"
-    w = spawn("worker", *worker_args(name, pool="prefork", concurrency=1), prefetch=3)
+    w = spawn(name, concurrency=1, queues=None, prefetch=3)
     wait_for(lambda: w.says(" ready."), 30, "the worker ready", w)
-    running = publisher.send_task("feat.block", ("running", "never")).id
-    waiting = publisher.send_task("feat.record", ("waiting",)).id
-    doomed = publisher.send_task("feat.record", ("doomed",)).id
-    later = publisher.send_task("feat.record", ("later",)).id
-    last = publisher.send_task("feat.record", ("last",)).id
+    running = client.send_task("feat.block", ("running", "never")).id
+    waiting = client.send_task("feat.record", ("waiting",)).id
+    doomed = client.send_task("feat.record", ("doomed",)).id
+    later = client.send_task("feat.record", ("later",)).id
+    last = client.send_task("feat.record", ("last",)).id
     # the running task was acked as it started (no acks_late); prefetch 3 x concurrency 1
     # leaves three reserved in the worker and one in the table
     wait_for(
@@ -335,7 +300,7 @@ def test_inspect_active_reserved_and_revoke(spawn, publisher, db, schema):
         w,
     )
 
-    inspect = publisher.control.inspect(destination=[name], timeout=5)
+    inspect = client.control.inspect(destination=[name], timeout=5)
     active = inspect.active()
     assert [(t["id"], t["name"], t["args"]) for t in active[name]] == [
         (running, "feat.block", ["running", "never"])
@@ -344,8 +309,8 @@ def test_inspect_active_reserved_and_revoke(spawn, publisher, db, schema):
     # the worker keeps its reserved requests in a set: no order to compare
     assert sorted(t["id"] for t in reserved[name]) == sorted([waiting, doomed, later])
 
-    publisher.control.revoke(doomed)
-    publisher.control.revoke(running, terminate=True)
+    client.control.revoke(doomed)
+    client.control.revoke(running, terminate=True)
     wait_for(
         lambda: (
             {"waiting", "later", "last"} <= set(labels(db, schema)) and not messages(db, schema)
@@ -368,18 +333,18 @@ def test_inspect_active_reserved_and_revoke(spawn, publisher, db, schema):
 # -- 6. remote shutdown -------------------------------------------------------------
 
 
-def test_remote_shutdown_stops_only_the_named_worker(spawn, publisher, db, schema):
-    a = spawn("a", *worker_args("shut-a@feat"))
-    b = spawn("b", *worker_args("shut-b@feat"))
+def test_remote_shutdown_stops_only_the_named_worker(spawn, client, db, schema):
+    a = spawn("shut-a@feat", pool="threads", queues=None)
+    b = spawn("shut-b@feat", pool="threads", queues=None)
     wait_for(lambda: a.says(" ready.") and b.says(" ready."), 30, "workers a and b ready", a, b)
 
-    publisher.control.shutdown(destination=["shut-a@feat"])
+    client.control.shutdown(destination=["shut-a@feat"])
     assert a.proc.wait(timeout=15) == 0, a.log()[-3000:]
 
     assert b.proc.poll() is None
-    pong = publisher.control.inspect(timeout=2).ping()
+    pong = client.control.inspect(timeout=2).ping()
     assert set(pong or {}) == {"shut-b@feat"}
-    publisher.send_task("feat.record", ("after",))
+    client.send_task("feat.record", ("after",))
     wait_for(lambda: runs(db, schema), 20, "a task on the remaining worker", b)
     assert [r["hostname"] for r in runs(db, schema)] == ["shut-b@feat"]
     assert "Traceback" not in a.log()

@@ -8,53 +8,20 @@ assertions count executions exactly instead of trusting results or logs.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
-from celery_workers import Worker, workers
-from lifecycle_app import create_ledger, make_app, open_gate, worker_env
+from celery_workers import Worker
+from helpers import open_gate
 from psycopg import sql
 from psycopg.rows import dict_row
 from waiting import wait_for
 
-import kombu_pgqueue
 from kombu_pgqueue.admin import Broker
 
 pytestmark = pytest.mark.celery
-
-HERE = Path(__file__).resolve().parent
-
-
-@pytest.fixture
-def spawn(dsn: str, schema: str, tmp_path: Path) -> Iterator[Callable[..., Worker]]:
-    with workers(tmp_path) as started:
-
-        def spawn(name: str, *, concurrency: int = 1, **settings: Any) -> Worker:
-            return started.start(
-                "lifecycle_app",
-                name,
-                cwd=HERE,
-                env=worker_env(dsn, schema, **settings),
-                options=("-P", "prefork", "-c", str(concurrency), "-Q", "celery"),
-            )
-
-        yield spawn
-
-
-@pytest.fixture
-def publisher(dsn: str, schema: str, db: psycopg.Connection) -> Iterator[Any]:
-    """An app that sends the tasks; the schema and the ledger exist before any worker."""
-    kombu_pgqueue.migrate(dsn, schema)
-    create_ledger(db, schema)
-    app = make_app(dsn, schema)
-    try:
-        yield app
-    finally:
-        app.close()
 
 
 def runs(db: psycopg.Connection, schema: str) -> list[dict[str, Any]]:
@@ -122,7 +89,7 @@ def test_sigkilled_worker_loses_nothing(spawn, publisher, db, schema):
     assert [m["task_id"] for m in rows if m["leased"]] == list(lease_end)
     assert len(lease_end) == 4
 
-    open_gate(db, schema, "open")
+    open_gate(db, schema, "open", table="ledger_gate")
     b = spawn("b", **settings)
     wait_for(
         lambda: (
@@ -177,7 +144,7 @@ def test_task_longer_than_visibility_timeout_runs_once(spawn, publisher, db, sch
     # the lease of a 2 s visibility timeout, renewed past four of them: the task has run
     # three visibility timeouts (and more) with nobody else taking it
     wait_for(lambda: renewed_past(4), 30, "the running task's lease renewed past 4 periods", a, b)
-    open_gate(db, schema, "long")
+    open_gate(db, schema, "long", table="ledger_gate")
 
     def done() -> bool:
         rows = messages(db, schema)
@@ -252,7 +219,7 @@ def test_warm_shutdown_releases_prefetched_messages_at_once(spawn, publisher, db
     w.terminate()
     # the task is still running when the worker starts its warm shutdown; then it ends
     wait_for(lambda: w.says("Warm shutdown"), 30, "the worker's warm shutdown to start", w)
-    open_gate(db, schema, "go")
+    open_gate(db, schema, "go", table="ledger_gate")
     assert w.proc.wait(timeout=30) == 0
     rows = messages(db, schema)
 
