@@ -19,7 +19,7 @@ sockets with epoll. Two cases for each count of listening sessions:
 
 - *none waiting*: no consumer watches the queue published to (the workers consume other
   queues, or are busy with a backlog of this one): the publishes send no NOTIFY;
-- *waiting*: a consumer waits for the queue (a ``kombu_pgqueue._listener.Listener`` that
+- *waiting*: a consumer waits for the queue (a ``kombu_pgqueue._wakeups.Listener`` that
   watches it, one more listening session): every publish notifies, and PostgreSQL 15
   signals every listening session.
 
@@ -228,8 +228,8 @@ def _waiting(dsn: str, schema: str, queue: str, waiting: bool) -> Iterator[None]
     if not waiting:
         yield
         return
-    from kombu_pgqueue._listener import Listener
     from kombu_pgqueue._options import parse_options
+    from kombu_pgqueue._wakeups import Listener
 
     listener = Listener(dsn, parse_options({"schema": schema}))
     listener.open()

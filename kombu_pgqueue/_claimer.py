@@ -31,7 +31,7 @@ from typing import Any
 
 from psycopg import pq
 
-from . import _libpq, _pool
+from . import _counters, _libpq, _pool
 from ._store import Store
 from .records import Buried, ClaimRequest, ClaimResult, Delivered
 
@@ -225,6 +225,8 @@ class Claimer:
         took, self._took = self._took, 0.0
         if error:  # nothing it says was done may have been committed
             rows, buried = [], ()
+        else:
+            _counters.claimed(request.queue, rows)
         self._results.append(ClaimResult(request, rows, took, error, buried))
 
     def close(self) -> list[ClaimResult]:

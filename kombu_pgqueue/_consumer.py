@@ -1,39 +1,55 @@
-"""The consumer: one per transport, the one owner of everything about consuming.
+"""The Consumer: one per transport, the owner of consuming.
 
-It holds the subscribed queues and the channel (a :class:`~._ledger.Sink`) that
-consumes each, the queues with news (pending wakeups), messages handed off to it, the
-claims in flight, batch sizes (:mod:`._windows`), where each queue resumes claiming,
-the safety-poll, sweep and due times, and the deliveries it holds (:class:`~._ledger.Held`:
-renewed, acked, rejected). It delivers through one callable (Kombu's ``_deliver``);
-the transport calls ``_loop.drain`` (synchronous consuming) or registers it with an
-event loop (:class:`~._loop.LoopDriver`), and passes acks, rejects and restores by tag.
+Four parts, arrows only downward (docs/architecture.md):
+- this Consumer: the subscriptions (queue -> the channel that consumes it, a
+  :class:`~._pacing.Sink`), each channel's claims in flight and pacing
+  (:mod:`._pacing`), the safety poll, sweep and rotation times; it hands typed
+  :class:`~.records.Delivery` records up through one callable (the transport turns
+  them into Kombu's payloads);
+- :class:`~._wakeups.Wakeups`: the LISTEN session and what it, the poll and the claims
+  say (queues with news, handoffs, due times);
+- :class:`~._claimer.Claimer`: claims sent without waiting (an event loop's);
+- :class:`~._settler.Settler`: the deliveries held, acked, rejected, released, renewed.
+
+Who writes what: every field here is written by the consuming thread only, through
+the methods below (the loop driver, :mod:`._loop`, starts and stops the claimer
+through them; ``store`` changes on a failover, :meth:`use_store`). The
+transport calls :func:`._loop.drain` (synchronous consuming) or registers a
+:class:`~._loop.LoopDriver` with an event loop; Kombu's QoS passes acks, rejects and
+restores to the settler by tag.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
 
 import psycopg
 
-from . import _counters, codec
+from . import _counters, _pacing
 from ._claimer import Claimer
-from ._handoffs import Replays, late
-from ._ledger import Held, Sink
-from ._listener import Listener, Wakeups
+from ._handoffs import late
 from ._options import Options
-from ._resume import ResumePositions
+from ._pacing import Clock, Pacing, Plan, Sink
+from ._settler import Settler
 from ._store import Store, new_lease
-from ._windows import IDLE_INLINE_SECONDS, SinkState, Subscription, batch_limit, has_room
+from ._wakeups import Wakeups
 from .exceptions import PgQueueError
-from .records import Buried, ClaimRequest, ClaimResult, Handoff
+from .records import Buried, ClaimRequest, ClaimResult, Delivery
 
-Deliver = Callable[[dict[str, Any], str], None]
+Deliver = Callable[[Delivery], None]
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Subscription:
+    """A queue a consumer consumes, and the channel it delivers to."""
+
+    sink: Sink
+    no_ack: bool
 
 
 class Consumer:
@@ -43,63 +59,55 @@ class Consumer:
         options: Options,
         deliver: Deliver,
         connection_errors: tuple[type[BaseException], ...] = (),
+        clock: Clock | None = None,
     ) -> None:
         self.store = store
         self.options = options
         self._deliver = deliver
         #: a callback that raises one of these lost its connection: not the message's fault
         self._connection_errors = connection_errors
-        #: the deliveries held unacked: acks, rejects, restores and lease renewals
-        self.held = Held(store, options)
-        self.listener: Listener | None = None
+        #: the clock of batching, resuming, idleness and the safety poll (tests move it)
+        self.clock = clock or Clock()
+        self.settler = Settler(store, options)
+        self.wakeups = Wakeups(store.conninfo, options)
         self.claimer: Claimer | None = None
         self._subs: dict[str, Subscription] = {}
-        self._sinks: dict[int, SinkState] = {}
-        #: queues with news, not yet claimed from
-        self.pending: set[str] = set()
-        #: messages publishes leased to this consumer, not yet delivered (see wake)
-        self.handed: list[Handoff] = []
-        self._replays = Replays()
-        #: queues with a claim in flight, and those woken meanwhile
+        #: each channel's claims in flight and batches, where each queue's claims start
+        self._pacing = Pacing(self.clock)
+        #: queues with a claim in flight
         self._inflight: set[str] = set()
-        self._renotified: set[str] = set()
-        #: queue -> (priority, id, until): where claims resume, see _claimed
-        self._resume = ResumePositions()
         self._last_delivery = 0.0
-        self.next_due: float | None = None
-        self.new_due: float | None = None
-        self.next_poll = 0.0
+        self._next_poll = 0.0
         self._next_sweep = 0.0
         self._next_rotation = 0.0
         self._rotation_failures: set[str] = set()
-        #: the clock of batching, resuming and idleness (tests move it)
-        self.clock: Callable[[], float] = time.monotonic
 
     def reopen(self) -> None:
         """The transport connected again (after a close): ack in batches again."""
-        self.held.closed = False
+        self.settler.closed = False
+
+    def use_store(self, store: Store) -> None:
+        """Another host after a failover: everything goes to its store from now on."""
+        self.store = store
+        self.settler.use_store(store)
+        self.wakeups.use_store(store.conninfo)
 
     # -- subscriptions ---------------------------------------------------------------
 
     def subscribe(self, queue: str, sink: Sink, no_ack: bool) -> None:
         self._subs[queue] = Subscription(sink, no_ack)
-        self._state(sink)
-        listener = self.ensure_listener()
-        if listener is not None:  # notified from now on
-            (listener.no_ack.add if no_ack else listener.no_ack.discard)(queue)
-            self.wake(listener.watch([queue]))
-        self.pending.add(queue)
-        self.next_poll = 0.0  # its delayed messages' due times
-        self.held.keep_leases()
+        self.wakeups.open(self._subs)
+        self.wakeups.watch(queue, no_ack)
+        self.poll_soon()  # its delayed messages' due times
+        self.settler.keep_leases()
 
     def unsubscribe(self, queue: str, sink: Sink) -> None:
         sub = self._subs.get(queue)
         if sub is not None and sub.sink is sink:
             del self._subs[queue]
-            if self.listener is not None:
-                with contextlib.suppress(psycopg.Error):  # a lost session holds nothing
-                    self.wake(self.listener.unwatch([queue]))
-        self.pending.discard(queue)
+            self.wakeups.forget(queue)
+            if all(other.sink is not sink for other in self._subs.values()):
+                self._pacing.drop(sink)  # the channel consumes nothing now
 
     @property
     def consuming(self) -> bool:
@@ -114,92 +122,79 @@ class Consumer:
         """Queues with a claim sent and not yet answered."""
         return frozenset(self._inflight)
 
+    @property
+    def pending(self) -> frozenset[str]:
+        """Queues with news, not yet claimed from."""
+        return frozenset(self.wakeups.pending)
+
+    def notice(self, queue: str) -> None:
+        """Claim from ``queue`` at the next chance, as if a publish had said so."""
+        self.wakeups.news([queue])
+
     def resume_position(self, queue: str) -> tuple[int, int, float] | None:
         """(priority, id, until): claims from ``queue`` start after that message until
         then (by :attr:`clock`); None: from the head."""
-        return self._resume.get(queue)
+        return self._pacing.position(queue)
 
     def claiming(self, sink: Sink) -> int:
         """How many messages claims in flight may still bring ``sink``."""
-        state = self._sinks.get(id(sink))
-        return 0 if state is None else state.claiming
+        return self._pacing.claiming(sink)
 
-    def use_store(self, store: Store) -> None:
-        """Another host after a failover: everything goes to its store from now on."""
-        self.store = store
-        self.held.use_store(store)
-
-    def ensure_listener(self) -> Listener | None:
-        if not self.options.listen:
-            return None
-        if self.listener is None:
-            self.listener = Listener(self.store.conninfo, self.options)
-        if self.listener.open():
-            # a new session: notifications may have been missed since the last one
-            self.pending.update(self._subs)
-        return self.listener
+    def channels(self) -> int:
+        """How many channels this consumer keeps claim state for."""
+        return self._pacing.channels()
 
     # -- claiming ----------------------------------------------------------------------
 
     def batch_limit(self, sink: Sink) -> int:
-        """How many messages ``sink`` should claim now (0: not yet; see _windows)."""
-        return batch_limit(sink, self._state(sink), self.clock())
+        """How many messages ``sink`` should claim now (0: not yet; see _pacing)."""
+        return self._pacing.limit(sink)
 
-    def _state(self, sink: Sink) -> SinkState:
-        return self._sinks.setdefault(id(sink), SinkState())
-
-    def request(self, queue: str, sink: Sink, limit: int, *, above: bool = False) -> ClaimRequest:
-        """How to claim from ``queue`` now: from its head, or after its last message, or,
-        if ``above`` may be claimed and that is due, its higher priorities (_resume)."""
-        now = self._state(sink).last_claim = self.clock()
-        after = self._resume.after(queue, now)
-        above = above and self._resume.above(queue, now)
+    def _request(self, queue: str, plan: Plan) -> ClaimRequest:
         self._inflight.add(queue)
-        return self.store.claim_request(queue, limit, new_lease(), after=after, above=above)
+        self.wakeups.claim_sent(queue)
+        return self.store.claim_request(
+            queue, plan.limit, new_lease(), after=plan.after, above=plan.above
+        )
 
-    def claimed(self, result: ClaimResult) -> list[dict[str, Any]]:
-        """Kombu's payloads of what a claim brought; note where the queue resumes."""
-        request, rows = result.request, result.rows
-        queue = request.queue
-        self._inflight.discard(queue)
-        self._resume.note(result, self.clock())
-        self._said_buried(queue, result.buried)
-        if rows:
-            _counters.add("claimed", queue, len(rows))
-            _counters.add("redelivered", queue, sum(row.attempts > 1 for row in rows))
-        else:
-            _counters.add("empty_claims", queue)
-        return [codec.payload(row, queue, request.lease) for row in rows]
+    def claimed(self, result: ClaimResult) -> list[Delivery]:
+        """What a claim brought, as deliveries; note where the queue resumes."""
+        request = result.request
+        self._inflight.discard(request.queue)
+        self._pacing.note(result)
+        for message in result.buried:
+            self._said_buried(request.queue, message)
+        return [Delivery(request.queue, row, request.lease) for row in result.rows]
 
-    def _said_buried(self, queue: str, buried: tuple[Buried, ...]) -> None:
+    def _said_buried(self, queue: str, message: Buried) -> None:
         """One warning per message a claim moved to the dead letters: nothing else tells
         anyone, and a task that never ran is easy to miss."""
-        for message in buried:
-            task = f" (task {message.task}[{message.task_id}])" if message.task else ""
-            deliveries = f"{message.attempts} deliver{'y' if message.attempts == 1 else 'ies'}"
-            logger.warning(
-                "pgqueue: message %s of queue %r%s moved to the dead letters after %s without "
-                "an ack (max_attempts %d: its consumer died or its %gs lease, "
-                "visibility_timeout, ran out each time); see it with: celery -A <your app> "
-                "pgqueue dead show %s (run it again: celery -A <your app> pgqueue dead requeue %s)",
-                message.id,
-                queue,
-                task,
-                deliveries,
-                self.options.max_attempts,
-                self.options.visibility_timeout,
-                message.id,
-                message.id,
-            )
+        task = f" (task {message.task}[{message.task_id}])" if message.task else ""
+        deliveries = f"{message.attempts} deliver{'y' if message.attempts == 1 else 'ies'}"
+        logger.warning(
+            "pgqueue: message %s of queue %r%s moved to the dead letters after %s without "
+            "an ack (max_attempts %d: its consumer died or its %gs lease, "
+            "visibility_timeout, ran out each time); see it with: celery -A <your app> "
+            "pgqueue dead show %s (run it again: celery -A <your app> pgqueue dead requeue %s)",
+            message.id,
+            queue,
+            task,
+            deliveries,
+            self.options.max_attempts,
+            self.options.visibility_timeout,
+            message.id,
+            message.id,
+        )
 
-    def fetch(self, queue: str, limit: int, no_ack: bool, sink: Sink) -> list[dict[str, Any]]:
+    def fetch(self, queue: str, limit: int, no_ack: bool, sink: Sink) -> list[Delivery]:
         """Claim up to ``limit`` messages of ``queue`` here, waiting for the answer."""
         # no flush of pending acks first: an acked message still holds its lease until
         # the ack thread deletes it, so a claim cannot hand it out meanwhile
+        plan = self._pacing.plan(queue, sink, limit=limit, above_ok=False)
+        assert plan is not None  # a limit given: never put off
         if no_ack:
-            self._state(sink).last_claim = self.clock()
-            return [codec.payload(row, queue, 0) for row in self.store.take(queue, limit)]
-        return self.claimed(self._run_here(self.request(queue, sink, limit)))
+            return [Delivery(queue, row, 0) for row in self.store.take(queue, limit)]
+        return self.claimed(self._run_here(self._request(queue, plan)))
 
     def _run_here(self, request: ClaimRequest) -> ClaimResult:
         try:
@@ -221,37 +216,34 @@ class Consumer:
         in the chaos listenkill scenario); tasks delivered from a reader (the claim's
         answer on a readable socket) are written at once.
         """
-        delivered = self._take_handoffs() if self.handed else 0
-        for queue in list(self.pending):
+        delivered = self._take_handoffs() if self.wakeups.handed else 0
+        for queue in list(self.wakeups.pending):
             sub = self._subs.get(queue)
             if sub is None:
-                self.pending.discard(queue)
+                self.wakeups.forget(queue)
                 continue
             if queue in self._inflight:
                 continue
-            limit = self.batch_limit(sub.sink)
-            if not limit:
-                continue  # stays pending until the window opens
-            if (
+            sent = (
                 self.claimer is not None
                 and not inline
                 and not sub.no_ack
-                and (in_tick or not self._idle(sub.sink))
-            ):
-                self.claimer.submit(self.request(queue, sub.sink, limit, above=True))
-                self._sinks[id(sub.sink)].claiming += limit
+                and (in_tick or not self._idle())
+            )
+            plan = self._pacing.plan(queue, sub.sink, sent=sent, above_ok=not sub.no_ack)
+            if plan is None:
+                continue  # stays pending until the window opens
+            if sent:
+                assert self.claimer is not None
+                self.claimer.submit(self._request(queue, plan))
                 continue
             if sub.no_ack:
-                payloads, above = self.fetch(queue, limit, True, sub.sink), False
+                deliveries = [Delivery(queue, r, 0) for r in self.store.take(queue, plan.limit)]
             else:
-                result = self._run_here(self.request(queue, sub.sink, limit, above=True))
-                payloads, above = self.claimed(result), result.request.above
+                deliveries = self.claimed(self._run_here(self._request(queue, plan)))
             # a claim above the position says nothing of the queue's own range
-            error, rest = self._hand_out(queue, limit, payloads, renotified=above)
-            if error is not None:
-                self.held.release_payloads(rest)
-                raise error
-            delivered += len(payloads)
+            self._hand_out(queue, plan.limit, deliveries, plan.above)
+            delivered += len(deliveries)
         return delivered
 
     def on_claimed(self) -> None:
@@ -261,144 +253,134 @@ class Consumer:
         results = self.claimer.results()
         for result in results:
             sub = self._subs.get(result.request.queue)
-            state = self._sinks.get(id(sub.sink)) if sub is not None else None
-            if state is not None:
-                state.claiming = max(state.claiming - result.request.limit, 0)
+            self._pacing.answered(None if sub is None else sub.sink, result.request.limit)
         error: BaseException | None = None
-        undelivered: list[dict[str, Any]] = []
-        for result in results:
-            queue, limit = result.request.queue, result.request.limit
-            renotified = queue in self._renotified
-            self._renotified.discard(queue)
+        for n, result in enumerate(results):
+            queue = result.request.queue
             if result.error is not None:
                 self._inflight.discard(queue)
                 error = error or result.error  # the queue stays pending: claimed again
                 continue
-            payloads = self.claimed(result)
+            deliveries = self.claimed(result)
             if error is not None or queue not in self._subs:
-                undelivered.extend(payloads)  # cancelled meanwhile: back at once
+                self.settler.release_deliveries(deliveries)  # cancelled meanwhile: back
                 continue
-            # a claim above the position says nothing of the queue's own range
-            renotified = renotified or result.request.above
-            error, rest = self._hand_out(queue, limit, payloads, renotified)
-            undelivered.extend(rest)  # and the later batches, as error is set now
-        self.held.release_payloads(undelivered)
+            try:
+                # a claim above the position says nothing of the queue's own range
+                self._hand_out(queue, result.request.limit, deliveries, result.request.above)
+            except BaseException:
+                for later in results[n + 1 :]:  # the later batches go back too
+                    if later.error is None:
+                        self.settler.release_deliveries(self.claimed(later))
+                    else:
+                        self._inflight.discard(later.request.queue)
+                raise
         if error is not None:
             raise error
         self.deliver_pending()
 
-    def _idle(self, sink: Sink) -> bool:
+    def _idle(self) -> bool:
         """Nothing claimed, held or delivered lately: claim in the loop's thread."""
         return (
             not self._inflight
-            and sink.holding() == 0
-            and self.clock() - self._last_delivery >= IDLE_INLINE_SECONDS
+            and not self.settler.holding()
+            and self.clock() - self._last_delivery >= _pacing.IDLE_INLINE_SECONDS
         )
 
-    def _hand_out(
-        self, queue: str, limit: int, payloads: list[dict[str, Any]], renotified: bool = False
-    ) -> tuple[BaseException | None, list[dict[str, Any]]]:
-        """Deliver one claim's messages; return a callback's error and what it left over,
-        which the caller releases at once (not leased, unseen and unrenewed, until the
-        lease ends)."""
-        error, rest = self._deliver_each(queue, payloads)
-        if error is not None:
-            return error, rest
-        if len(payloads) < limit and not renotified:
-            self.pending.discard(queue)  # drained
-        return self._turn(queue, limit, len(payloads))
+    def _hand_out(self, queue: str, limit: int, deliveries: list[Delivery], part: bool) -> None:
+        """Deliver one claim's messages; a callback's error is raised once what it left
+        over is released (not leased, unseen and unrenewed, until the lease ends).
+        ``part``: the claim read part of the queue (claim_above), which says nothing of
+        whether the queue is drained."""
+        self._deliver_each(queue, deliveries)
+        self._after_claim(queue, limit, len(deliveries), more=part or len(deliveries) >= limit)
 
-    def _deliver_each(
-        self, queue: str, payloads: list[dict[str, Any]]
-    ) -> tuple[BaseException | None, list[dict[str, Any]]]:
-        if payloads:
+    def _deliver_each(self, queue: str, deliveries: list[Delivery]) -> None:
+        if deliveries:
             self._last_delivery = self.clock()
-        for n, payload in enumerate(payloads):  # the queue stays pending if one raises
+        for n, delivery in enumerate(deliveries):  # the queue stays pending if one raises
             try:
-                self._deliver(payload, queue)
+                self._deliver(delivery)
             except Exception as exc:
                 if self.options.callback_errors == "raise" or isinstance(
                     exc, self._connection_errors
                 ):
-                    return exc, payloads[n + 1 :]
+                    self.settler.release_deliveries(deliveries[n + 1 :])
+                    raise
                 # dead-lettered, and consuming goes on: no message takes its consumer down
                 sub = self._subs.get(queue)
-                self.held.poisoned(queue, payload, exc, None if sub is None else sub.sink)
-            except BaseException as exc:  # the process is exiting: hand the rest back
-                return exc, payloads[n + 1 :]
-        return None, []
+                self.settler.poisoned(delivery, exc, None if sub is None else sub.sink)
+            except BaseException:  # the process is exiting: hand the rest back
+                self.settler.release_deliveries(deliveries[n + 1 :])
+                raise
+
+    def _after_claim(self, queue: str, limit: int, got: int, *, more: bool) -> None:
+        """Tell the wakeups what a claim (or a handoff) left: a full window keeps the
+        queue pending (claimed again as the window opens), and a queue with a backlog
+        is not watched (see Wakeups.after_claim)."""
+        sub = self._subs.get(queue)
+        if sub is None:
+            return
+        full = got > 0 and self._pacing.full(sub.sink)
+        self.wakeups.after_claim(queue, more=more or full, backlog=full or 1 < limit <= got)
 
     def _take_handoffs(self) -> int:
         """Deliver what publishes handed off to this consumer as claimed messages; hand
         back at once what it cannot take now: no room in its window (claims in flight
         counted), or the queue not consumed with acks (docs/lifecycle.md, "Wakeups")."""
         now = time.time()
-        handed = [handoff for handoff in self.handed if self._replays.first(handoff, now)]
-        self.handed = []
-        tokens = self.listener.tokens if self.listener is not None else {}
-        back: list[tuple[int, int]] = []
-        error: BaseException | None = None
-        for handoff in handed:
-            queue = tokens.get(handoff.token, "")
-            sub = self._subs.get(queue)
-            takes = sub is not None and not sub.no_ack and has_room(sub.sink, self._state(sub.sink))
-            if error is not None or not takes or late(handoff, self.options, now):
-                back.append((handoff.row.id, handoff.lease))
-                _counters.add("handbacks", queue)
-                if sub is not None:
-                    self.pending.add(queue)  # claimed again as its window opens
-                continue
-            _counters.add("handoffs", queue)
-            payload = codec.payload(handoff.row, queue, handoff.lease)
-            payload["properties"]["delivery_info"]["pgqueue_handoff"] = True
-            error, _ = self._deliver_each(queue, [payload])
-            if error is None:
-                error, _ = self._turn(queue, 1, 1)  # a window it filled: stop waiting
-        self.held.release(back)
-        if error is not None:
-            raise error
-        return len(handed) - len(back)
-
-    def _turn(self, queue: str, limit: int, got: int) -> tuple[BaseException | None, list[Any]]:
-        """Wait for ``queue`` only while it is drained and there is room for more (see
-        Listener.turn): a full claim, or a window this batch filled, leaves it pending."""
-        sub = self._subs.get(queue)
-        if self.listener is None or sub is None:
-            return None, []
-        room = sub.sink.room()
-        full = got > 0 and room is not None and room - self._state(sub.sink).claiming <= 0
-        if full:
-            self.pending.add(queue)
+        back: list[Delivery] = []
+        taken = 0
+        handed = self.wakeups.take_handoffs()
         try:
-            backlog = full or 1 < limit <= got
-            woken = self.listener.turn(queue, backlog=backlog, pending=queue in self.pending)
-        except Exception as exc:  # the listening session is lost: reconnect
-            return exc, []
-        if woken is not None:
-            self.wake(woken)
-        return None, []
+            while handed:
+                queue, handoff = handed.pop(0)
+                delivery = Delivery(queue, handoff.row, handoff.lease, handoff=True)
+                sub = self._subs.get(queue)
+                takes = sub is not None and not sub.no_ack and self._pacing.has_room(sub.sink)
+                if not takes or late(handoff, self.options, now):
+                    back.append(delivery)
+                    _counters.add("handbacks", queue)
+                    if sub is not None:
+                        self.notice(queue)  # claimed again as its window opens
+                    continue
+                _counters.add("handoffs", queue)
+                self._deliver_each(queue, [delivery])
+                taken += 1
+                self._after_claim(queue, 1, 1, more=True)  # a window it filled: stop waiting
+        finally:
+            back.extend(Delivery(q, h.row, h.lease, handoff=True) for q, h in handed)
+            self.settler.release_deliveries(back)
+        return taken
+
+    def listen(self) -> bool:
+        """Open the LISTEN session if it is not (LISTEN off: False)."""
+        return self.wakeups.open(self._subs)
+
+    def start_claimer(self) -> int:
+        """Send claims without waiting for them from now on (an event loop's); return
+        the socket to read their answers from (see :meth:`on_claimed`)."""
+        self.claimer = Claimer(self.store)
+        return self.claimer.fileno()
 
     def stop_claimer(self) -> None:
         claimer, self.claimer = self.claimer, None
         if claimer is not None:
-            left = claimer.close()
-            for result in left:
-                self._said_buried(result.request.queue, result.buried)
-            self.held.release([(row.id, r.request.lease) for r in left for row in r.rows])
-        for state in self._sinks.values():
-            state.claiming = 0
+            for result in claimer.close():
+                self.settler.release_deliveries(self.claimed(result))
+        self._pacing.reset()
         self._inflight.clear()
-        self._renotified.clear()
 
-    # -- wakeups and the safety poll -------------------------------------------------------
+    # -- the safety poll, sweep and rotation ----------------------------------------------
 
-    def wake(self, wake: Wakeups) -> float | None:
-        """Note what notifications said; return a due time that is new, if any."""
-        self.handed.extend(wake.handoffs)
-        woken = [queue for queue in wake.queues if queue in self._subs]
-        self.pending.update(woken)
-        self._renotified.update(q for q in woken if q in self._inflight)
-        return self._note_due(wake.due)
+    @property
+    def poll_due(self) -> float:
+        """When the next safety poll is due, by :attr:`clock` (0: at once)."""
+        return self._next_poll
+
+    def poll_soon(self) -> None:
+        """Poll at the next chance (a new subscription, a due time that came)."""
+        self._next_poll = 0.0
 
     def poll(self) -> float | None:
         """The safety poll: promote due delayed messages and find ready queues.
@@ -407,20 +389,19 @@ class Consumer:
         in it again would only cost a walk over its head. Returns a new due time.
         """
         owned = list(self._subs)
-        ready, next_due = self.store.poll(owned, check=[q for q in owned if q not in self.pending])
-        self.pending.update(ready)
-        # a claim in flight may have started before these became ready
-        self._renotified.update(q for q in ready if q in self._inflight)
-        self.next_due = None
-        now = time.monotonic()
-        self.next_poll = now + self.options.polling_interval
+        pending = self.wakeups.pending
+        ready, next_due = self.store.poll(owned, check=[q for q in owned if q not in pending])
+        self.wakeups.news(ready)
+        self.wakeups.due_passed()
+        now = self.clock()
+        self._next_poll = now + self.options.polling_interval
         if now >= self._next_sweep:
             self._next_sweep = now + self.options.sweep_interval
             self.store.sweep()
         if now >= self._next_rotation:
             self._next_rotation = now + self.options.rotate_interval
             self._rotate()
-        return self._note_due(next_due)
+        return self.wakeups.note_due(next_due)
 
     def _rotate(self) -> None:
         """A step of the storage's rotation. It must never stop a worker: a failure
@@ -440,24 +421,12 @@ class Consumer:
                     exc,
                 )
 
-    def _note_due(self, due: float | None) -> float | None:
-        if due is None or (self.next_due is not None and self.next_due <= due):
-            return None
-        self.next_due = self.new_due = due  # new_due: for the loop's timer, see _loop
-        return due
-
     # -- shutdown --------------------------------------------------------------------------
 
     def close(self) -> None:
         """Stop acking, renewing and listening; what is held returns when leases end
         (Kombu's channels restore their unacked messages before this)."""
-        with contextlib.suppress(Exception):  # hand back what was handed off, undelivered
-            self.handed.extend(self.listener.drain().handoffs if self.listener else [])
-        self.held.release([(handoff.row.id, handoff.lease) for handoff in self.handed])
-        self.handed = []
-        self.held.close()
+        handed = self.wakeups.close()  # handed off, undelivered: back at once
+        self.settler.release([(handoff.row.id, handoff.lease) for handoff in handed])
+        self.settler.close()
         self.stop_claimer()
-        if self.listener is not None:
-            self.listener.close()
-            self.listener = None
-        self.pending.clear()

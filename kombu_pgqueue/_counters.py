@@ -8,6 +8,11 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .records import Delivered
 
 #: The events counted, each by queue ("" where the queue is not known).
 EVENTS = (
@@ -46,3 +51,13 @@ def snapshot() -> dict[tuple[str, str], int]:
 def reset() -> None:
     with _lock:
         _counts.clear()
+
+
+def claimed(queue: str, rows: Sequence[Delivered]) -> None:
+    """What a claim from ``queue`` handed out (an empty claim counts too)."""
+    if not rows:
+        add("empty_claims", queue)
+        return
+    with _lock:
+        _counts[("claimed", queue)] += len(rows)
+        _counts[("redelivered", queue)] += sum(row.attempts > 1 for row in rows)

@@ -11,39 +11,37 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from ._claimer import Claimer
 from ._consumer import Consumer
-from ._windows import CLAIM_BATCH_WAIT
+from ._pacing import CLAIM_BATCH_WAIT
 
 
 def drain(consumer: Consumer, timeout: float | None) -> None:
     """Deliver at least one message, or raise TimeoutError after ``timeout``."""
     deadline = None if timeout is None else time.monotonic() + timeout
-    listener = consumer.ensure_listener() if consumer.consuming else None
+    if consumer.consuming:
+        consumer.listen()
+    wakeups = consumer.wakeups
     while True:
-        if time.monotonic() >= consumer.next_poll and consumer.consuming:
+        if consumer.clock() >= consumer.poll_due and consumer.consuming:
             consumer.poll()
         if consumer.deliver_pending(inline=True):
             return
         now = time.monotonic()
-        waits = [consumer.next_poll - now]
+        waits = [consumer.poll_due - consumer.clock()]
         if deadline is not None:
             waits.append(deadline - now)
-        if consumer.next_due is not None:
-            waits.append(consumer.next_due - time.time())
-        if consumer.pending:
+        if wakeups.next_due is not None:
+            waits.append(wakeups.next_due - time.time())
+        if wakeups.pending:
             waits.append(CLAIM_BATCH_WAIT)
         wait = max(min(waits), 0.0)
         if deadline is not None and now >= deadline:
             raise TimeoutError()
-        if consumer.next_due is not None and consumer.next_due <= time.time():
-            consumer.next_due = None
-            consumer.next_poll = 0.0
+        if wakeups.next_due is not None and wakeups.next_due <= time.time():
+            wakeups.due_passed()
+            consumer.poll_soon()
             continue
-        if listener is not None:
-            consumer.wake(listener.wait(wait))
-        else:
-            time.sleep(wait)
+        wakeups.wait(wait)
 
 
 def _cancel(timer: Any) -> None:
@@ -77,17 +75,15 @@ class LoopDriver:
 
     def start(self) -> None:
         consumer, loop = self.consumer, self.loop
-        listener = consumer.ensure_listener()
-        if listener is not None:
-            self._listen_fd = listener.fileno()
+        if consumer.listen():
+            self._listen_fd = consumer.wakeups.fileno()
             loop.add_reader(self._listen_fd, self._on_notified, self._listen_fd)
         if consumer.options.async_claims:
-            consumer.claimer = Claimer(consumer.store)
-            self._claim_fd = consumer.claimer.fileno()
+            self._claim_fd = consumer.start_claimer()
             loop.add_reader(self._claim_fd, self._on_claimed, self._claim_fd)
         loop.on_tick.add(self._on_tick)
         self._timers.append(loop.call_repeatedly(consumer.options.polling_interval, self._poll))
-        consumer.next_poll = 0.0
+        consumer.poll_soon()
 
     def stop(self) -> None:
         loop = self.loop
@@ -100,16 +96,13 @@ class LoopDriver:
             _cancel(timer)
         self._timers.clear()
         self._due_timer = self._retry_timer = None
-        self.consumer.next_due = None
+        self.consumer.wakeups.due_passed()
         self._retry_armed = False
 
     # -- what the loop calls ---------------------------------------------------------------
 
     def _on_notified(self, fileno: int) -> None:
-        listener = self.consumer.listener
-        if listener is None:
-            return
-        self._schedule_due(self.consumer.wake(listener.drain()))
+        self._schedule_due(self.consumer.wakeups.read())
         self._deliver()
 
     def _on_claimed(self, fileno: int) -> None:
@@ -118,21 +111,22 @@ class LoopDriver:
 
     def _on_tick(self) -> None:
         consumer = self.consumer
-        if consumer.new_due is not None:  # noted outside a reader or a poll (a watch)
-            self._schedule_due(consumer.new_due)
-        if consumer.next_poll == 0.0 and consumer.consuming:
+        due = consumer.wakeups.take_new_due()  # noted outside a reader or a poll (a watch)
+        if due is not None:
+            self._schedule_due(due)
+        if consumer.poll_due == 0.0 and consumer.consuming:
             self._poll()
-        if consumer.pending or consumer.handed:
+        if consumer.wakeups.pending or consumer.wakeups.handed:
             self._deliver(in_tick=True)
 
     def _on_due(self) -> None:
-        self.consumer.next_due = None
+        self.consumer.wakeups.due_passed()
         self._poll()
         self._deliver()
 
     def _on_retry(self) -> None:
         self._retry_armed = False
-        if self.consumer.pending:
+        if self.consumer.wakeups.pending:
             self._deliver()
 
     # -- helpers -------------------------------------------------------------------------------
@@ -145,13 +139,13 @@ class LoopDriver:
         self._arm_retry()
 
     def _arm_retry(self) -> None:
-        if self.consumer.pending and not self._retry_armed:
+        if self.consumer.wakeups.pending and not self._retry_armed:
             # a claim put off for batching must still happen soon
             self._retry_armed = True
             self._retry_timer = self.loop.call_later(CLAIM_BATCH_WAIT, self._on_retry)
 
     def _schedule_due(self, due: float | None) -> None:
-        self.consumer.new_due = None
+        self.consumer.wakeups.take_new_due()
         if due is None:
             return
         delay = max(due - time.time(), 0.0) + 0.001

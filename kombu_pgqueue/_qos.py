@@ -13,14 +13,14 @@ class QoS(virtual.QoS):
 
     def append(self, message: Any, delivery_tag: str) -> None:
         super().append(message, delivery_tag)  # type: ignore[no-untyped-call]
-        self.channel.consumer.held.hold(delivery_tag)
+        self.channel.consumer.settler.hold(delivery_tag)
 
     def ack(self, delivery_tag: str) -> None:
-        self.channel.consumer.held.ack(delivery_tag)
+        self.channel.consumer.settler.ack(delivery_tag)
         super().ack(delivery_tag)  # type: ignore[no-untyped-call]
 
     def reject(self, delivery_tag: str, requeue: bool = False) -> None:
-        self.channel.consumer.held.reject(delivery_tag, requeue)
+        self.channel.consumer.settler.reject(delivery_tag, requeue)
         self._quick_ack(delivery_tag)
 
     def forget(self, delivery_tag: str) -> None:
@@ -32,7 +32,7 @@ class QoS(virtual.QoS):
         self._flush()  # type: ignore[no-untyped-call]
         tags = list(self._delivered)
         self._delivered.clear()
-        self.channel.consumer.held.restore(tags)
+        self.channel.consumer.settler.restore(tags)
         return []
 
 
@@ -44,5 +44,5 @@ class Message(virtual.Message):
         try:
             return super().decode()  # type: ignore[no-untyped-call]
         except Exception as exc:
-            self.channel.consumer.held.undecodable(self.delivery_tag, exc)
+            self.channel.consumer.settler.undecodable(self.delivery_tag, exc)
             raise

@@ -16,7 +16,7 @@ from typing import Any
 import psycopg
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from . import _pool, _sql, transactions
+from . import _counters, _pool, _sql, transactions
 from ._connected import Connected
 from ._copy import load_staged
 from ._handoffs import seal
@@ -204,6 +204,7 @@ class Store(Connected):
         took = rows[-1][8] if rows else 0.0
         leased = [Delivered(*row[:8]) for row in rows if not row[9]]
         buried = tuple(Buried(row[0], row[1], row[2], row[6]) for row in rows if row[9])
+        _counters.claimed(request.queue, leased)
         return ClaimResult(request, leased, took, buried=buried)
 
     def claim_request(

@@ -27,16 +27,16 @@ do, and it sends nothing.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 from kombu.connection import Connection
 from psycopg import sql
 
 from . import _errors, _pool, _sql, codec
 from ._options import Options
+from ._settler import ATOMIC_TAGS
 from ._sources import Django, Psycopg, PsycopgTransaction, SQLAlchemy
 from .exceptions import ConfigurationError
 from .transactions import Database, Enlisted, enlist
@@ -235,45 +235,14 @@ NO_ROW = "P0002"  # no_data_found (psycopg.errors.NoDataFound)
 
 
 # -- what the consumer is told ------------------------------------------------------------
+# The registry lives in the core (the settler asks it at each ack); these are its public
+# names, for the Celery side (celery_pgqueue.atomic).
 
-_lock = threading.Lock()
-#: tags of atomic deliveries this process consumes, and those its tasks committed
-_expected: set[str] = set()
-_committed: set[str] = set()
-
-
-def expect(tag: str) -> None:
-    """The delivery ``tag`` goes to an atomic task: its ack may find the row gone."""
-    with _lock:
-        _expected.add(tag)
-
-
-def committed(tag: str) -> None:
-    """A task of this process committed the ack of ``tag``; a pool child of another
-    process (prefork) says nothing: its parent never expected the tag here."""
-    if tag not in _expected:  # a pool child's: without the lock
-        return
-    with _lock:
-        if tag in _expected:
-            _committed.add(tag)
-
-
-def take(tag: str) -> Literal["committed", "atomic"] | None:
-    """What the consumer's ack of ``tag`` has to do: nothing ("committed"), delete the
-    row if it is still there ("atomic"), or ack as usual (None)."""
-    if tag not in _expected:  # the common case, without the lock
-        return None
-    with _lock:
-        _expected.discard(tag)
-        if tag in _committed:
-            _committed.discard(tag)
-            return "committed"
-    return "atomic"
-
-
-def forget(tag: str) -> None:
-    """``tag`` was settled otherwise (rejected, released, restored)."""
-    if tag in _expected:
-        with _lock:
-            _expected.discard(tag)
-            _committed.discard(tag)
+#: the delivery ``tag`` goes to an atomic task: its ack may find the row gone
+expect = ATOMIC_TAGS.expect
+#: a task of this process committed the ack of ``tag`` (a pool child's says nothing)
+committed = ATOMIC_TAGS.committed
+#: what the consumer's ack of ``tag`` has to do: nothing, delete if there, or ack
+take = ATOMIC_TAGS.take
+#: ``tag`` was settled otherwise (rejected, released, restored)
+forget = ATOMIC_TAGS.forget

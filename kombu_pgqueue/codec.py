@@ -20,7 +20,7 @@ from kombu.utils.json import dumps, loads
 
 from ._options import check_name
 from .exceptions import MessageError
-from .records import Delivered, Outgoing
+from .records import Delivery, Outgoing
 
 logger = logging.getLogger(__name__)
 
@@ -177,18 +177,21 @@ def dedup_key(headers: Mapping[str, Any], properties: Any, task_keys: TaskKeys) 
     return publish_dedup_key(str(task_id), str(publish_id))
 
 
-def payload(row: Delivered, queue: str, lease: int) -> dict[str, Any]:
-    """Kombu's payload of a claimed row, tagged for ack by ``lease``."""
+def payload(delivery: Delivery) -> dict[str, Any]:
+    """Kombu's payload of a delivery, tagged for ack by its lease."""
+    row = delivery.row
     properties = _loads(row.properties)
-    properties["delivery_tag"] = delivery_tag(row.id, lease)
+    properties["delivery_tag"] = delivery_tag(row.id, delivery.lease)
     properties.pop("expiration", None)
     delivery_info = properties.setdefault("delivery_info", {})
     delivery_info.update(
         redelivered=row.attempts > 1,
         pgqueue_id=row.id,
-        pgqueue_queue=queue,
+        pgqueue_queue=delivery.queue,
         pgqueue_attempts=row.attempts,
     )
+    if delivery.handoff:
+        delivery_info["pgqueue_handoff"] = True
     return {
         "body": bytes(row.body),
         "content-type": row.content_type,

@@ -74,10 +74,22 @@ class Delivered:
 
 
 @dataclass(frozen=True, slots=True)
+class Delivery:
+    """A message the consumer hands up to its channel: what a claim (or a handoff)
+    brought, leased by ``lease`` (0: taken without ack, nothing to settle)."""
+
+    queue: str
+    row: Delivered
+    lease: int
+    #: handed off by its publish, not claimed
+    handoff: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class Handoff:
     """A message a publish leased to this consumer, as its NOTIFY carried it."""
 
-    #: the queue's token (column ``queue.token``, see ``_listener``)
+    #: the queue's token (column ``queue.token``, see ``_wakeups``)
     token: str
     lease: int
     #: when the lease ends (epoch seconds, the server's clock)

@@ -59,7 +59,7 @@ from ._store import Store, driver_version
 from ._topics import topic_pattern
 from ._unroutable import Unroutable
 from .exceptions import ConfigurationError
-from .records import Outgoing
+from .records import Delivery, Outgoing
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ class Channel(virtual.Channel):
     def store(self) -> Store:
         return self.consumer.store
 
-    # the consumer's view of this channel (kombu_pgqueue._ledger.Sink)
+    # the consumer's view of this channel (kombu_pgqueue._pacing.Sink)
 
     def room(self) -> int | None:
         if not self.qos.can_consume():
@@ -95,9 +95,6 @@ class Channel(virtual.Channel):
 
     def window(self) -> int:
         return int(self.qos.prefetch_count or 0)
-
-    def holding(self) -> int:
-        return len(self.qos._delivered) - len(self.qos._dirty)
 
     def forget(self, tag: str) -> None:
         self.qos.forget(tag)
@@ -134,11 +131,11 @@ class Channel(virtual.Channel):
         self.store.delete_queue(queue)
 
     def _size(self, queue: str) -> int:
-        self.consumer.held.flush_acks()
+        self.consumer.settler.flush_acks()
         return self.store.size(queue)
 
     def _purge(self, queue: str) -> int:
-        self.consumer.held.flush_acks()
+        self.consumer.settler.flush_acks()
         return self.store.purge(queue)
 
     def exchange_declare(
@@ -300,20 +297,20 @@ class Channel(virtual.Channel):
         return result
 
     def _get(self, queue: str, timeout: float | None = None) -> dict[str, Any]:
-        rows = self.consumer.fetch(queue, 1, self.consumer.no_ack(queue), self)
-        if not rows:
+        got = self.consumer.fetch(queue, 1, self.consumer.no_ack(queue), self)
+        if not got:
             raise Empty()
-        return rows[0]
+        return codec.payload(got[0])
 
     def basic_get(self, queue: str, no_ack: bool = False, **kwargs: Any) -> Any:
         check_name("queue", queue)
-        rows = self.consumer.fetch(queue, 1, no_ack, self)
-        if not rows:
+        got = self.consumer.fetch(queue, 1, no_ack, self)
+        if not got:
             return None
-        message = self.Message(rows[0], channel=self)  # type: ignore[no-untyped-call]
+        message = self.Message(codec.payload(got[0]), channel=self)  # type: ignore[no-untyped-call]
         if not no_ack:
             self.qos.append(message, message.delivery_tag)
-            self.consumer.held.keep_leases()
+            self.consumer.settler.keep_leases()
         return message
 
 
@@ -351,7 +348,7 @@ class Transport(virtual.Transport):
         self.consumer = Consumer(
             Store(self._conninfo(), self.options),
             self.options,
-            self._deliver,
+            self._hand_up,
             type(self).connection_errors,
         )
         self._driver: LoopDriver | None = None
@@ -359,6 +356,10 @@ class Transport(virtual.Transport):
     @property
     def store(self) -> Store:
         return self.consumer.store
+
+    def _hand_up(self, delivery: Delivery) -> None:
+        """A delivery of the consumer's, as Kombu's payload to the queue's callback."""
+        self._deliver(codec.payload(delivery), delivery.queue)  # type: ignore[no-untyped-call]
 
     def driver_version(self) -> str:
         return driver_version()
@@ -389,7 +390,7 @@ class Transport(virtual.Transport):
 
     def flush_acks(self) -> None:
         """Send pending acks now, so what this transport reads next reflects them."""
-        self.consumer.held.flush_acks()
+        self.consumer.settler.flush_acks()
 
     def drain_events(self, connection: Any, timeout: float | None = None, **_: Any) -> None:
         drain(self.consumer, timeout)

@@ -64,17 +64,18 @@ def consumer(
     seen: list[tuple[int, int]] = []
     #: (published at, delivery latency) of the priority probes (see snapshot)
     probes: list[tuple[float, float]] = []
-    # the transport's consumer claims with fetch() when drain_events() runs without an
-    # event loop, as here
-    fetch = channel.consumer.fetch
+    # the transport's consumer runs its claims with Store.run_claim when drain_events()
+    # runs without an event loop, as here
+    store = channel.consumer.store
+    run_claim = store.run_claim
 
-    def timed_fetch(queue: str, limit: int, no_ack: bool, sink: Any) -> list[Any]:
+    def timed_run_claim(request: Any) -> Any:
         begun = time.perf_counter()
-        rows = fetch(queue, limit, no_ack, sink)
+        result = run_claim(request)
         _keep(claims[int((time.time() - t0) // BUCKET)], time.perf_counter() - begun, rng)
-        return rows
+        return result
 
-    channel.consumer.fetch = timed_fetch  # instrumentation of this process's consumer only
+    store.run_claim = timed_run_claim  # instrumentation of this process's consumer only
 
     def on_message(body: Any, message: Any) -> None:
         now = time.time()

@@ -16,7 +16,7 @@ import time
 
 from celery import Celery
 
-from kombu_pgqueue import _consumer
+from kombu_pgqueue import _pacing
 
 SCHEMA = os.environ.get("PROBE_SCHEMA", "probe_s")
 TRACE = os.environ.get("PROBE_TRACE", "/tmp/probe_trace.log")
@@ -36,7 +36,7 @@ def ev(name: str) -> None:
 
 
 if os.environ.get("PROBE_NO_IDLE") == "1":
-    _consumer.IDLE_INLINE_SECONDS = 1e9
+    _pacing.IDLE_INLINE_SECONDS = 1e9
 
 
 @app.task(name="lat")

@@ -157,7 +157,7 @@ def app_from_environment(env: Mapping[str, str] = os.environ) -> Celery:
     if env.get("ATOMIC_LOG_ACKS"):
         # the consumer's batches of atomic tasks' acks ("1 of 1 acks of atomic tasks
         # deleted a row"), in the worker's log
-        logging.getLogger("kombu_pgqueue._ledger").setLevel(logging.DEBUG)
+        logging.getLogger("kombu_pgqueue._settler").setLevel(logging.DEBUG)
     app = make_app(env["ATOMIC_DSN"], env["ATOMIC_SCHEMA"], **options)
     app.conf.worker_prefetch_multiplier = int(env.get("ATOMIC_PREFETCH", "1"))
     return app

@@ -20,7 +20,7 @@ from psycopg import sql
 from waiting import wait_for
 
 from kombu_pgqueue import ConfigurationError, atomic
-from kombu_pgqueue._ledger import Held
+from kombu_pgqueue._settler import Settler
 from kombu_pgqueue._sql import queries
 from kombu_pgqueue._store import Outgoing, Store, new_lease
 from kombu_pgqueue.admin import parse_options
@@ -330,9 +330,9 @@ def test_ack_in_transaction_and_delivery_holder_use_the_primary_key(store, db, s
 
 
 @pytest.fixture(params=[True, False], ids=["batched", "direct"])
-def held(request: pytest.FixtureRequest, store: Store, dsn: str) -> Iterator[Held]:
+def held(request: pytest.FixtureRequest, store: Store, dsn: str) -> Iterator[Settler]:
     options = parse_options({"schema": store.schema, "batch_acks": request.param})
-    held = Held(Store(dsn, options), options)
+    held = Settler(Store(dsn, options), options)
     yield held
     held.close()
 

@@ -26,8 +26,8 @@ from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from kombu_pgqueue._handoffs import seal, signature
-from kombu_pgqueue._listener import Wakeups, legacy_token
 from kombu_pgqueue._sql import LOCKS
+from kombu_pgqueue._wakeups import Notified, legacy_token
 from kombu_pgqueue.records import Outgoing
 
 HOUR = 3600
@@ -143,11 +143,11 @@ def test_a_handoff_replayed_readdressed_or_sealed_with_another_key_is_not_delive
         Producer(publisher).publish("real", routing_key=QUEUE)
         first.drain_events(timeout=10)
         [real] = _heard(stranger, db, channel)
-        listener = first.transport.consumer.listener
+        listener = first.transport.consumer.wakeups.listener
         assert listener is not None and real.startswith(f"h:{listener.consumer}:")
         with Consumer(second, [Queue(QUEUE)], callbacks=[lambda b, m: got.append(("second", m))]):
             second.transport.consumer.deliver_pending(inline=True)
-            other = second.transport.consumer.listener
+            other = second.transport.consumer.wakeups.listener
             assert other is not None
             token, rest = listener.watched[QUEUE], real.split(":", 3)[3]
             box = AESGCM(AESGCM.generate_key(bit_length=256))
@@ -175,7 +175,7 @@ def test_a_wakeup_from_a_publisher_of_the_previous_version_still_wakes(
 ) -> None:
     """Publishers before migration 0010 name a queue by an MD5 prefix of its name: a
     consumer of this version recognises it during a rolling upgrade (it sends none)."""
-    wakeups = Wakeups({legacy_token(QUEUE): QUEUE, "0123456789abcdef": "other"})
+    wakeups = Notified({legacy_token(QUEUE): QUEUE, "0123456789abcdef": "other"})
     wakeups.add("r:" + legacy_token(QUEUE))
     assert wakeups.queues == {QUEUE}
 

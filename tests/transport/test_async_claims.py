@@ -25,8 +25,7 @@ from kombu import Connection, Consumer, Producer, Queue
 from kombu.asynchronous import Hub
 from wire_faults import AnswerSplitter
 
-from kombu_pgqueue import _consumer, _resume
-from kombu_pgqueue._listener import Wakeups
+from kombu_pgqueue import _pacing
 from kombu_pgqueue._store import Store
 
 QUIET = {"polling_interval": 30}
@@ -62,7 +61,7 @@ def busy(monkeypatch: pytest.MonkeyPatch) -> None:
     An idle consumer (nothing delivered for IDLE_INLINE_SECONDS) claims in the loop's
     own thread, waiting; tests that use this are about claims that do not wait.
     """
-    monkeypatch.setattr(_consumer, "IDLE_INLINE_SECONDS", float("inf"))
+    monkeypatch.setattr(_pacing, "IDLE_INLINE_SECONDS", float("inf"))
 
 
 def _registered(
@@ -107,7 +106,7 @@ def _failing_on_second(
             raise RuntimeError("the consumer's callback failed")
 
     Consumer(conn, [Queue(queue)], callbacks=[on_message], prefetch_count=prefetch).consume()
-    conn.transport.consumer.pending.add(queue)
+    conn.transport.consumer.notice(queue)
     return conn, got
 
 
@@ -148,7 +147,7 @@ def test_claims_are_sent_without_waiting_and_delivered_in_the_loop_thread(
         prefetch_count=4,
     ).consume()
 
-    consumer.pending.add("ct")
+    consumer.notice("ct")
     consumer.deliver_pending()
     assert got == [] and "ct" in consumer.in_flight  # sent; the loop did not wait
     # drained, it watches the queue again and claims once more (see test_notify_gate)
@@ -207,10 +206,10 @@ def test_a_wakeup_during_a_short_claim_keeps_the_queue_pending(
     got = _consume(conn, "ctn", 10)
     how = _spy_claims(conn, monkeypatch)
 
-    consumer.pending.add("ctn")
+    consumer.notice("ctn")
     consumer.deliver_pending()
     # a NOTIFY for a message committed after the claim's snapshot arrives meanwhile
-    consumer.wake(Wakeups({}, queues={"ctn"}, due=None))
+    consumer.notice("ctn")
     _take_answer(conn, "ctn")
 
     assert got == [0]
@@ -247,7 +246,7 @@ def test_a_claim_whose_connection_dies_raises_in_the_loop_and_keeps_the_queue_pe
     claimer = consumer.claimer
     assert claimer is not None
     with _locked(dsn, schema):
-        consumer.pending.add("cte")
+        consumer.notice("cte")
         consumer.deliver_pending()  # the claim waits for the lock, in the database
         assert "cte" in consumer.in_flight
         db.execute("SELECT pg_terminate_backend(%s)", (claimer.backend_pid,))
@@ -270,7 +269,7 @@ def test_a_claim_that_fails_in_the_database_raises_in_the_loop_and_the_next_one_
     consumer = conn.transport.consumer
     got = _consume(conn, "ctq", 1)
     with _locked(dsn, schema):
-        consumer.pending.add("ctq")
+        consumer.notice("ctq")
         consumer.deliver_pending()
         # the whole answer: the error comes first, its end after (see the next test)
         with pytest.raises(psycopg.errors.QueryCanceled):  # the statement timeout's
@@ -309,7 +308,7 @@ def test_a_claim_error_read_before_the_end_of_its_answer_is_raised_when_the_answ
         got = _consume(conn, "ctp", 1)
         proxy.hold_ready_for(claimer.backend_pid)
         with _locked(dsn, schema):
-            consumer.pending.add("ctp")
+            consumer.notice("ctp")
             consumer.deliver_pending()
             assert proxy.holding.wait(10), "the claim's answer never ended"
             _claim_returned(conn)  # readable: the error is in, its end is not
@@ -337,7 +336,7 @@ def test_a_claim_in_flight_when_the_claimer_closes_is_released_at_once(
     consumer = conn.transport.consumer
     got = _consume(conn, "ctz", 10, ack=False)
 
-    consumer.pending.add("ctz")
+    consumer.notice("ctz")
     consumer.deliver_pending()
     assert "ctz" in consumer.in_flight
     conn.transport.unregister_from_event_loop(conn.connection, hub)  # a worker stops
@@ -366,7 +365,7 @@ def test_a_claim_in_the_loop_that_dead_letters_a_message_out_of_attempts_says_so
     got = _consume(conn, "ctd", 10)
 
     with caplog.at_level(logging.WARNING, logger="kombu_pgqueue"):
-        consumer.pending.add("ctd")
+        consumer.notice("ctd")
         consumer.deliver_pending()
         assert "ctd" in consumer.in_flight  # sent: the claimer reads the answer
         _take_answer(conn, "ctd")
@@ -453,7 +452,8 @@ def test_a_callback_error_dead_letters_that_message_and_the_batch_goes_on(
     assert dead.error == "RuntimeError: the consumer's callback failed"
     assert f"on message {dead.id} of queue 'ctdl'" in caplog.text
     # the others stay held (the callback did not ack them), the dead one is not
-    assert conn.default_channel.holding() == 4
+    assert consumer.settler.holding() == 4
+    assert conn.default_channel.qos.can_consume_max_estimate() == 1  # Kombu's count too
 
 
 def test_an_inline_claim_dead_letters_the_failing_message_and_delivers_the_rest(
@@ -552,16 +552,6 @@ def test_a_claim_session_ended_while_idle_raises_in_the_loop_instead_of_spinning
     assert 1 <= len(reads) <= 2  # the first read raised (or the second, after the error)
 
 
-class _ClientClock:
-    """The consumer's clock, moved forward on demand (the server's is untouched)."""
-
-    def __init__(self) -> None:
-        self.ahead = 0.0
-
-    def __call__(self) -> float:
-        return time.monotonic() + self.ahead
-
-
 @pytest.mark.usefixtures("busy")
 def test_only_time_in_the_server_counts_a_claim_as_slow_not_a_busy_loop(
     make_connection: Callable[..., Connection], hub: Hub, monkeypatch: pytest.MonkeyPatch
@@ -569,27 +559,27 @@ def test_only_time_in_the_server_counts_a_claim_as_slow_not_a_busy_loop(
     # a slow claim (a long walk over acked rows at the head) makes the consumer resume
     # after its last message for a while; a loop that was busy when the answer came
     # must not, or priorities and requeues would wait for nothing
-    monkeypatch.setattr(_resume, "SLOW_CLAIM_SECONDS", 0.1)
+    monkeypatch.setattr(_pacing, "SLOW_CLAIM_SECONDS", 0.1)
     conn = _registered(make_connection, hub, "ctslow", 4)
     consumer = conn.transport.consumer
-    clock = consumer.clock = _ClientClock()
+    clock = consumer.clock
     held: list[Any] = []
     Consumer(
         conn, [Queue("ctslow")], callbacks=[lambda b, m: held.append(m)], prefetch_count=1
     ).consume()
 
-    consumer.pending.add("ctslow")
+    consumer.notice("ctslow")
     consumer.deliver_pending()
     _claim_returned(conn)  # the answer waits in the socket...
-    clock.ahead += 0.3  # ...while the loop is busy elsewhere for 0.3 s
+    clock.advance(0.3)  # ...while the loop is busy elsewhere for 0.3 s
     _take_answer(conn, "ctslow")
     assert [m.payload for m in held] == [0]
     assert consumer.resume_position("ctslow") is None
 
     # the same claim with any time in the server counting as slow: it resumes
-    monkeypatch.setattr(_resume, "SLOW_CLAIM_SECONDS", 0.0)
+    monkeypatch.setattr(_pacing, "SLOW_CLAIM_SECONDS", 0.0)
     held.pop().ack()
-    consumer.pending.add("ctslow")
+    consumer.notice("ctslow")
     consumer.deliver_pending()
     _take_answer(conn, "ctslow")
     assert [m.payload for m in held] == [1]
@@ -602,27 +592,27 @@ def test_only_time_in_the_server_counts_a_claim_as_slow_not_a_busy_loop(
 def test_a_resumed_consumer_sends_a_claim_of_the_higher_priorities_when_it_is_due(
     make_connection: Callable[..., Connection], hub: Hub, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(_resume, "SLOW_CLAIM_SECONDS", 0.0)  # every claim counts as slow
-    monkeypatch.setattr(_resume, "RESUME_SECONDS", 3600.0)  # the period never ends here
+    monkeypatch.setattr(_pacing, "SLOW_CLAIM_SECONDS", 0.0)  # every claim counts as slow
+    monkeypatch.setattr(_pacing, "RESUME_SECONDS", 3600.0)  # the period never ends here
     conn = _registered(make_connection, hub, "ctabove", 12)
     consumer = conn.transport.consumer
-    clock = consumer.clock = _ClientClock()
+    clock = consumer.clock
     held: list[Any] = []
     Consumer(
         conn, [Queue("ctabove")], callbacks=[lambda b, m: held.append(m)], prefetch_count=4
     ).consume()
-    consumer.pending.add("ctabove")
+    consumer.notice("ctabove")
     consumer.deliver_pending()
     _take_answer(conn, "ctabove")
     assert [m.payload for m in held] == [0, 1, 2, 3]  # the window is full
     assert consumer.resume_position("ctabove") is not None
     Producer(conn).publish("high", routing_key="ctabove", priority=9)
 
-    clock.ahead += _resume.ABOVE_SECONDS
+    clock.advance(_pacing.ABOVE_SECONDS)
     for message in held:
         message.ack()
     del held[:]
-    consumer.pending.add("ctabove")
+    consumer.notice("ctabove")
     consumer.deliver_pending()
     _take_answer(conn, "ctabove")
     # the claim above the position came first, and the queue's own range right after

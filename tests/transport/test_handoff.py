@@ -136,8 +136,7 @@ def test_a_consumer_that_cannot_take_a_handoff_hands_it_back_to_one_that_can(
         assert row is not None and row[1] is not None  # handed off to `full`
 
         consumer = full.transport.consumer
-        assert consumer.listener is not None
-        consumer.wake(wait_for(lambda: consumer.listener.wait(1), 10, "the handoff"))
+        wait_for(lambda: consumer.wakeups.wait(1), 10, "the handoff")
         assert consumer.deliver_pending(inline=True) == 0
         idle.drain_events(timeout=10)
 
@@ -175,7 +174,7 @@ def test_a_waiter_whose_session_is_gone_is_not_handed_anything(
     ):
         _settle(gone)
         _settle(watcher)
-        listener = gone.transport.consumer.listener
+        listener = gone.transport.consumer.wakeups.listener
         assert listener is not None
         pid = listener.conn.info.backend_pid
         # its row stays (nobody removed it), its liveness lock went with the session
@@ -204,8 +203,7 @@ def test_max_attempts_counts_a_handoff_as_a_delivery(
         assert got[1].delivery_info["pgqueue_attempts"] == 2
         got[1].requeue()  # attempt 2: the next claim dead-letters it
         consumer = worker.transport.consumer
-        assert consumer.listener is not None
-        consumer.wake(wait_for(lambda: consumer.listener.wait(1), 10, "the requeue's wakeup"))
+        wait_for(lambda: consumer.wakeups.wait(1), 10, "the requeue's wakeup")
         assert consumer.deliver_pending(inline=True) == 0
         reason = db.execute(f'SELECT reason, attempts FROM "{schema}".dead_letter').fetchone()  # noqa: S608
         assert reason == ("max_attempts", 2)
@@ -350,7 +348,7 @@ def test_a_forged_handoff_is_ignored(
     got: list[Message] = []
     with Consumer(worker, [Queue("h")], callbacks=[lambda body, message: got.append(message)]):
         _settle(worker)
-        listener = worker.transport.consumer.listener
+        listener = worker.transport.consumer.wakeups.listener
         assert listener is not None
         forged = _forge(listener.consumer, listener.watched["h"])
         db.execute("SELECT pg_notify(%s, %s)", [listener.options.channel, forged])

@@ -154,8 +154,7 @@ def test_batch_limit_waits_until_at_most_a_quarter_of_the_window_is_held(
     connection: Connection,
 ) -> None:
     consumer = connection.transport.consumer
-    now = time.monotonic()
-    consumer.clock = lambda: now  # the claims below happen "just now"
+    consumer.clock.freeze()  # the claims below happen "just now"
     kombu_consumer, got = _backlog(connection, "quarter", 12, prefetch=8)
     connection.drain_events(timeout=5)
     assert len(got) == 8
@@ -164,9 +163,9 @@ def test_batch_limit_waits_until_at_most_a_quarter_of_the_window_is_held(
     for message in got[:5]:
         message.ack()
     assert consumer.batch_limit(channel) == 0  # 3 of 8 held: more than a quarter
-    consumer.clock = lambda: now + 1  # the last claim was long ago: no more waiting
+    consumer.clock.advance(1)  # the last claim was long ago: no more waiting
     assert consumer.batch_limit(channel) == 5
-    consumer.clock = lambda: now
+    consumer.clock.advance(-1)
     got[5].ack()
     assert consumer.batch_limit(channel) == 6  # 2 of 8 held: claim the 6 free slots at once
     got[6].ack()
@@ -414,3 +413,22 @@ def test_eta_in_the_past_is_delivered_at_once(connection: Connection) -> None:
     assert [m.payload for m in got] == ["due"]
     got[0].ack()
     consumer.cancel()
+
+
+def test_a_channel_that_stops_consuming_leaves_no_claim_state_behind(
+    connection: Connection,
+) -> None:
+    consumer = connection.transport.consumer
+    got: list[Any] = []
+    for n in range(3):
+        channel = connection.channel()
+        queue = Queue(f"gone{n}")
+        Producer(channel).publish(n, routing_key=queue.name, declare=[queue])
+        kombu_consumer = Consumer(channel, [queue], callbacks=[lambda b, m: got.append(m)])
+        kombu_consumer.consume()
+        connection.drain_events(timeout=5)
+        got[-1].ack()
+        assert consumer.channels() == 1  # the channel's claims are paced while it consumes
+        kombu_consumer.cancel()
+        channel.close()
+    assert consumer.channels() == 0

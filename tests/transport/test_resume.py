@@ -17,7 +17,7 @@ from kombu import Connection, Consumer, Producer, Queue
 from kombu.message import Message
 from psycopg import sql
 
-from kombu_pgqueue import _resume
+from kombu_pgqueue import _pacing
 from kombu_pgqueue._pool import SESSION_SETTINGS
 from kombu_pgqueue._store import Store, new_lease
 
@@ -45,11 +45,9 @@ def test_store_claim_after_takes_only_later_ids_of_that_priority(
 def test_a_resuming_consumer_still_delivers_everything_once_with_a_snapshot_held(
     connection: Connection, dsn: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(_resume, "SLOW_CLAIM_SECONDS", 0.0)  # every claim counts as slow
-    monkeypatch.setattr(_resume, "RESUME_SECONDS", 3600.0)  # ends only when the test says
+    monkeypatch.setattr(_pacing, "SLOW_CLAIM_SECONDS", 0.0)  # every claim counts as slow
+    monkeypatch.setattr(_pacing, "RESUME_SECONDS", 3600.0)  # ends only when the test says
     consumer = connection.transport.consumer
-    ahead = [0.0]
-    consumer.clock = lambda: time.monotonic() + ahead[0]
     _fill(connection, "snap", list(range(40)))
     with psycopg.connect(dsn) as holder:
         holder.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
@@ -69,7 +67,7 @@ def test_a_resuming_consumer_still_delivers_everything_once_with_a_snapshot_held
                 caught_up_at = time.monotonic()
                 position = consumer.resume_position("snap")
                 assert position is not None
-                ahead[0] += position[2] - consumer.clock() + 1  # the consumer's clock
+                consumer.clock.advance(position[2] - consumer.clock() + 1)
                 continue
             assert consumer.resume_position("snap") is not None or not got or requeued_at
             if message.payload == 5 and requeued_at is None:
@@ -145,11 +143,10 @@ def test_the_resumed_claim_starts_the_index_scan_at_the_position_in_its_generic_
 def test_a_higher_priority_reaches_a_resumed_consumer_without_waiting_for_the_period(
     connection: Connection, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(_resume, "SLOW_CLAIM_SECONDS", 0.0)  # every claim counts as slow
-    monkeypatch.setattr(_resume, "RESUME_SECONDS", 3600.0)  # the period never ends here
+    monkeypatch.setattr(_pacing, "SLOW_CLAIM_SECONDS", 0.0)  # every claim counts as slow
+    monkeypatch.setattr(_pacing, "RESUME_SECONDS", 3600.0)  # the period never ends here
     consumer = connection.transport.consumer
-    now = [time.monotonic()]
-    consumer.clock = lambda: now[0]  # moved by the test only
+    consumer.clock.freeze()  # moved by the test only
     _fill(connection, "above", list(range(30)))
     got: list[object] = []
 
@@ -166,7 +163,7 @@ def test_a_higher_priority_reaches_a_resumed_consumer_without_waiting_for_the_pe
     seen = len(got)
     connection.drain_events(timeout=5)
     assert "high" not in got[seen:]  # not due yet: the head was read just now
-    now[0] += _resume.ABOVE_SECONDS
+    consumer.clock.advance(_pacing.ABOVE_SECONDS)
     seen = len(got)
     connection.drain_events(timeout=5)
     # still resumed (the same period), and the next claim read the priorities above it

@@ -1,4 +1,9 @@
-"""The LISTEN connection: one dedicated autocommit session per consuming transport.
+"""Wakeups: what tells a consumer which queues to claim from, and when.
+
+One dedicated autocommit LISTEN session per consuming transport (:class:`Listener`),
+and what its notifications, the safety poll and the consumer's claims say
+(:class:`Wakeups`): the queues with news (``pending``), the messages handed off to this
+consumer, the next due time of a delayed message.
 
 Publishers send ``pg_notify(<schema>.notify, payload)`` in the statement that makes
 rows visible. Payloads are ``r:<token>`` (messages are ready in the queue of that
@@ -19,7 +24,8 @@ and holds a lock that marks it alive while it lasts.
 Publishers notify only queues that somebody waits for: the listening session *watches*
 the queues its consumer consumes (advisory locks, see the top of ``sql/queries.sql``), so
 a publish to a queue nobody consumes sends no NOTIFY, whose commit signals every
-listening session of the database.
+listening session of the database. A queue is watched only while it is drained
+(:meth:`Wakeups.after_claim`).
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import hashlib
 import logging
 import os
 import secrets
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -37,7 +44,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from psycopg import sql
 
 from . import _pool, _sql
-from ._handoffs import parse_handoff
+from ._handoffs import Replays, parse_handoff
 from ._options import Options
 from .records import Handoff
 
@@ -56,7 +63,7 @@ def legacy_token(queue: str) -> str:
 
 
 @dataclass(slots=True)
-class Wakeups:
+class Notified:
     """What a batch of notifications said: watched queues with news, a due time, and
     messages handed off to this consumer."""
 
@@ -98,7 +105,7 @@ class Wakeups:
     def __bool__(self) -> bool:
         return bool(self.queues) or self.due is not None or bool(self.handoffs)
 
-    def merge(self, other: Wakeups) -> None:
+    def merge(self, other: Notified) -> None:
         self.queues.update(other.queues)
         self.handoffs.extend(other.handoffs)
         if other.due is not None:
@@ -106,6 +113,9 @@ class Wakeups:
 
 
 class Listener:
+    """The LISTEN session (one per consuming transport; a new one after a fork or a
+    lost connection)."""
+
     def __init__(self, conninfo: str, options: Options) -> None:
         self.conninfo = conninfo
         self.options = options
@@ -165,14 +175,14 @@ class Listener:
             return None
         return None if row is None else AESGCM(bytes(row[0]))
 
-    def watch(self, queues: Iterable[str]) -> Wakeups:
+    def watch(self, queues: Iterable[str]) -> Notified:
         """From now on, publishes to ``queues`` notify; those that looked before have
         committed when this returns (or, if they take longer than BARRIER_TIMEOUT_MS,
         the safety poll finds them). Returns what was notified meanwhile, and the
         queues newly watched as if notified: claim from them once more."""
         new = sorted(set(queues) - set(self.watched))
         if not new or self.conn is None:
-            return Wakeups(self.tokens)
+            return Notified(self.tokens)
         params = {"channel": self.options.channel, "queues": new}
         takes = [q for q in new if q not in self.no_ack] if self.box is not None else []
         waiter = {"takes": takes, "consumer": self.consumer, "secret": self.secret}
@@ -191,7 +201,7 @@ class Listener:
         woken.queues.update(new)
         return woken
 
-    def turn(self, queue: str, *, backlog: bool, pending: bool) -> Wakeups | None:
+    def turn(self, queue: str, *, backlog: bool, pending: bool) -> Notified | None:
         """A claim from ``queue`` came back: watch it only while it is not known to
         hold more. A full batch (``backlog``) leaves it pending, claimed again without
         a NOTIFY, so publishes to it need not send one (each notifying commit signals
@@ -204,14 +214,14 @@ class Listener:
             return self.unwatch([queue]) if watched else None
         return None if pending or watched else self.watch([queue])
 
-    def unwatch(self, queues: Iterable[str]) -> Wakeups:
+    def unwatch(self, queues: Iterable[str]) -> Notified:
         """Publishes to ``queues`` need not notify for this consumer any more. Returns
         what was notified meanwhile (the socket's readiness went to the statement)."""
         gone = sorted(set(self.watched).intersection(queues))
         for queue in gone:
             del self.watched[queue]
         if not gone or self.conn is None or self.conn.closed:
-            return Wakeups(self.tokens)
+            return Notified(self.tokens)
         params = {"channel": self.options.channel, "queues": gone, "consumer": self.consumer}
         self.conn.execute(self._q["unwatch"], params)
         return self.drain()
@@ -220,10 +230,10 @@ class Listener:
         assert self.conn is not None
         return self.conn.fileno()
 
-    def wait(self, timeout: float | None) -> Wakeups:
+    def wait(self, timeout: float | None) -> Notified:
         """Block up to ``timeout`` seconds for notifications; return all that came."""
         assert self.conn is not None
-        found = Wakeups(self.tokens, consumer=self.consumer, secret=self.secret, box=self.box)
+        found = Notified(self.tokens, consumer=self.consumer, secret=self.secret, box=self.box)
         for notify in self.conn.notifies(timeout=timeout, stop_after=1):
             found.add(notify.payload)
         if found:
@@ -231,7 +241,7 @@ class Listener:
                 found.add(notify.payload)
         return found
 
-    def drain(self) -> Wakeups:
+    def drain(self) -> Notified:
         """Read what has arrived without blocking."""
         return self.wait(0)
 
@@ -248,3 +258,173 @@ class Listener:
                 conn.close()
             except psycopg.Error:
                 pass
+
+
+class Wakeups:
+    """The queues a consumer should claim from, the messages handed off to it, and the
+    next due time of a delayed message: what its LISTEN session, its safety poll and
+    its own claims said.
+
+    Who writes what (all from the consumer's thread):
+    - ``pending``: :meth:`news` (notifications, the poll, a new subscription or
+      session, a handed-back message), :meth:`after_claim` (drained, or more to
+      claim), :meth:`forget` (unsubscribed), :meth:`clear` (closed);
+    - ``next_due``: :meth:`note_due` (notifications, the poll) and :meth:`due_passed`
+      (the loop's due timer fired); ``new_due`` likewise, and :meth:`take_new_due`;
+    - the handoffs: :meth:`read`, :meth:`wait` and the watches add, :meth:`take_handoffs`
+      empties;
+    - ``listener``: :meth:`open` and :meth:`close`.
+    """
+
+    def __init__(self, conninfo: str, options: Options) -> None:
+        self.conninfo = conninfo
+        self.options = options
+        self.listener: Listener | None = None
+        #: queues with news, not yet claimed from (a claim in flight leaves it here)
+        self.pending: set[str] = set()
+        #: the next due time of a delayed message (epoch seconds), and one noted since
+        #: the loop last scheduled its timer (see :meth:`take_new_due`)
+        self.next_due: float | None = None
+        self.new_due: float | None = None
+        self._handed: list[Handoff] = []
+        self._replays = Replays()
+        #: news counted, for claims in flight: queue -> the count at its latest news,
+        #: and at its last claim sent (news since then: claimed again, see after_claim)
+        self._count = 0
+        self._news_at: dict[str, int] = {}
+        self._sent_at: dict[str, int] = {}
+
+    # -- the session ---------------------------------------------------------------------
+
+    def open(self, consumed: Iterable[str]) -> bool:
+        """Listen (LISTEN off: never); True if the session is open. A new session may
+        have missed notifications: every queue in ``consumed`` counts as news."""
+        if not self.options.listen:
+            return False
+        if self.listener is None:
+            self.listener = Listener(self.conninfo, self.options)
+        if self.listener.open():
+            self.news(consumed)
+        return True
+
+    def use_store(self, conninfo: str) -> None:
+        """Another host after a failover: the next session goes there."""
+        self.conninfo = conninfo
+        if self.listener is not None:
+            self.listener.conninfo = conninfo
+
+    def fileno(self) -> int | None:
+        return None if self.listener is None else self.listener.fileno()
+
+    def watch(self, queue: str, no_ack: bool) -> None:
+        """A new subscription: notified from now on (if listening), claimed from once."""
+        if self.listener is not None:
+            (self.listener.no_ack.add if no_ack else self.listener.no_ack.discard)(queue)
+            self._heard(self.listener.watch([queue]))
+        self.news([queue])
+
+    def forget(self, queue: str) -> None:
+        """Unsubscribed: not watched, nothing pending."""
+        if self.listener is not None:
+            with contextlib.suppress(psycopg.Error):  # a lost session holds nothing
+                self._heard(self.listener.unwatch([queue]))
+        self.pending.discard(queue)
+        self._news_at.pop(queue, None)
+        self._sent_at.pop(queue, None)
+
+    def read(self) -> float | None:
+        """Take what has arrived on the session's socket; a new due time, if any."""
+        if self.listener is None:
+            return None
+        return self._heard(self.listener.drain())
+
+    def wait(self, timeout: float) -> bool:
+        """Block up to ``timeout`` seconds for notifications (without a session: sleep);
+        whether any came."""
+        if self.listener is None:
+            time.sleep(timeout)
+            return False
+        notified = self.listener.wait(timeout)
+        self._heard(notified)
+        return bool(notified)
+
+    def close(self) -> list[Handoff]:
+        """End the session; return the handoffs not delivered (to hand back)."""
+        with contextlib.suppress(Exception):  # what arrived last
+            self.read()
+        handed, self._handed = self._handed, []
+        if self.listener is not None:
+            self.listener.close()
+            self.listener = None
+        self.clear()
+        return handed
+
+    # -- news ----------------------------------------------------------------------------
+
+    def news(self, queues: Iterable[str]) -> None:
+        """Messages may be ready in ``queues``: claim from them (again, if a claim is in
+        flight: it may have started before they were)."""
+        self._count += 1
+        for queue in queues:
+            self.pending.add(queue)
+            self._news_at[queue] = self._count
+
+    def claim_sent(self, queue: str) -> None:
+        """A claim from ``queue`` goes out now."""
+        self._sent_at[queue] = self._count
+
+    def after_claim(self, queue: str, *, more: bool, backlog: bool) -> None:
+        """A claim from ``queue`` (or a handoff) was delivered. Unless it may have left
+        ``more`` (a full batch, a full window, a claim of part of the queue) or news
+        came while it was in flight, the queue is drained: no longer pending. Watched
+        only while drained (see Listener.turn): ``backlog`` says it holds more."""
+        if not more and self._news_at.get(queue, 0) <= self._sent_at.get(queue, 0):
+            self.pending.discard(queue)
+        if self.listener is not None:
+            pending = queue in self.pending
+            self._heard(self.listener.turn(queue, backlog=backlog, pending=pending))
+
+    def note_due(self, due: float | None) -> float | None:
+        """A delayed message falls due at ``due``; return it if it is new (sooner)."""
+        if due is None or (self.next_due is not None and self.next_due <= due):
+            return None
+        self.next_due = self.new_due = due  # new_due: for the loop's timer
+        return due
+
+    def due_passed(self) -> None:
+        """The next due time came (the poll promotes what fell due)."""
+        self.next_due = None
+
+    def take_new_due(self) -> float | None:
+        """A due time noted since the loop last asked (outside a reader or a poll)."""
+        due, self.new_due = self.new_due, None
+        return due
+
+    def take_handoffs(self) -> list[tuple[str, Handoff]]:
+        """The messages handed off to this consumer since the last call, each with its
+        queue's name ("" for a token this session never watched), replays left out."""
+        now = time.time()
+        handed, self._handed = self._handed, []
+        tokens = self.listener.tokens if self.listener is not None else {}
+        return [
+            (tokens.get(handoff.token, ""), handoff)
+            for handoff in handed
+            if self._replays.first(handoff, now)
+        ]
+
+    @property
+    def handed(self) -> bool:
+        return bool(self._handed)
+
+    def clear(self) -> None:
+        self.pending.clear()
+        self.next_due = self.new_due = None
+        self._news_at.clear()
+        self._sent_at.clear()
+
+    def _heard(self, notified: Notified | None) -> float | None:
+        if notified is None:
+            return None
+        self._handed.extend(notified.handoffs)
+        self.news(notified.queues)
+        return self.note_due(notified.due)

@@ -1,14 +1,22 @@
-"""The deliveries a consumer holds, and how each is settled: ack, reject, release.
+"""The Settler: the deliveries a consumer holds, and how each is settled (ack, reject,
+release, dead letter), renewed and told apart when an atomic task's transaction acks it.
 
-The ledger is one object with a lock, shared by the thread that delivers (and acks),
-the lease keeper's thread, which renews everything held, and close, which releases it.
-Kombu's own QoS keeps its unacked messages in a dict that only the consuming thread may
-touch; nothing here reads it. Acks go to the ack batcher (or straight to the store).
+Typed deliveries in (a tag, or (id, lease)), SQL out, through three parts:
+- the ledger, one object with a lock, shared by the thread that delivers (and acks),
+  the lease keeper's thread (:mod:`._leases`), which renews everything held, and
+  close, which releases it. Kombu's own QoS keeps its unacked messages in a dict that
+  only the consuming thread may touch; nothing here reads it;
+- the ack batchers (:mod:`._acks`): one for ordinary acks, one for atomic tasks';
+- the atomic tags (:class:`AtomicTags`): the deliveries of atomic tasks
+  (:mod:`kombu_pgqueue.atomic`) are acked by the task's own transaction when it
+  commits; the worker's ack that follows finds the row gone. Those acks go to a
+  batcher of their own that does not call that late, and one that the task's process
+  says it committed (threads and solo pools) sends nothing at all.
 
-The deliveries of atomic tasks (:mod:`kombu_pgqueue.atomic`) are acked by the task's own
-transaction when it commits; the worker's ack that follows finds the row gone. Those acks
-go to a batcher of their own that does not call that late, and one that the task's
-process says it committed (threads and solo pools) sends nothing at all.
+Who writes what: :class:`Settler`'s fields are written by the consumer's thread
+(``closed`` by the consumer as the transport closes and reopens, ``store`` on a
+failover); the ledger's dict only under its lock; :data:`ATOMIC_TAGS` by the consumer's
+thread (expect, take, forget) and by a task's thread in the same process (committed).
 """
 
 from __future__ import annotations
@@ -17,31 +25,69 @@ import logging
 import sys
 import threading
 from collections.abc import Iterable
-from typing import Any, Protocol
+from typing import Literal, Protocol
 
-from . import _counters, atomic, codec
+from . import _counters, codec
 from ._acks import AckBatcher
 from ._leases import LeaseKeeper
 from ._options import Options
 from ._store import Store
+from .records import Delivery
 
 logger = logging.getLogger(__name__)
 
 
-class Sink(Protocol):
-    """The consuming side of one Kombu channel, as the consumer sees it."""
+class Forgets(Protocol):
+    """A channel, told that the settler settled one of its deliveries itself."""
 
-    def room(self) -> int | None:
-        """How many more messages the channel may hold now (None: no limit)."""
+    def forget(self, tag: str) -> None: ...
 
-    def window(self) -> int:
-        """Its prefetch window (0: none)."""
 
-    def holding(self) -> int:
-        """How many delivered messages it holds unacked."""
+class AtomicTags:
+    """The delivery tags of atomic tasks this process consumes, and those its tasks
+    committed (:mod:`kombu_pgqueue.atomic` tells it; the settler asks it at each ack)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._expected: set[str] = set()
+        self._committed: set[str] = set()
+
+    def expect(self, tag: str) -> None:
+        """The delivery ``tag`` goes to an atomic task: its ack may find the row gone."""
+        with self._lock:
+            self._expected.add(tag)
+
+    def committed(self, tag: str) -> None:
+        """A task of this process committed the ack of ``tag``; a pool child of another
+        process (prefork) says nothing: its parent never expected the tag here."""
+        if tag not in self._expected:  # a pool child's: without the lock
+            return
+        with self._lock:
+            if tag in self._expected:
+                self._committed.add(tag)
+
+    def take(self, tag: str) -> Literal["committed", "atomic"] | None:
+        """What the consumer's ack of ``tag`` has to do: nothing ("committed"), delete
+        the row if it is still there ("atomic"), or ack as usual (None)."""
+        if tag not in self._expected:  # the common case, without the lock
+            return None
+        with self._lock:
+            self._expected.discard(tag)
+            if tag in self._committed:
+                self._committed.discard(tag)
+                return "committed"
+        return "atomic"
 
     def forget(self, tag: str) -> None:
-        """The consumer settled ``tag`` itself (dead-lettered it): stop counting it."""
+        """``tag`` was settled otherwise (rejected, released, restored)."""
+        if tag in self._expected:
+            with self._lock:
+                self._expected.discard(tag)
+                self._committed.discard(tag)
+
+
+#: the one registry of the process: a task's thread tells it by tag alone
+ATOMIC_TAGS = AtomicTags()
 
 
 class Ledger:
@@ -64,7 +110,7 @@ class Ledger:
         """Stop holding ``tag``; its (id, lease) if it was held, else None."""
         with self._lock:
             held = self._held.pop(tag, None)
-        atomic.forget(tag)
+        ATOMIC_TAGS.forget(tag)
         return held
 
     def settle_all(self, tags: Iterable[str]) -> list[tuple[int, int]]:
@@ -75,6 +121,9 @@ class Ledger:
     def holds(self, tag: str) -> bool:
         with self._lock:
             return tag in self._held
+
+    def __len__(self) -> int:
+        return len(self._held)
 
     def held(self) -> list[tuple[int, int]]:
         """(id, lease) of everything held now (any thread)."""
@@ -97,7 +146,7 @@ def _handled() -> str | None:
     return None if exc is None else f"{type(exc).__name__}: {exc}"
 
 
-class Held:
+class Settler:
     """What one consumer holds unacked, with its lease keeper and ack batchers."""
 
     def __init__(self, store: Store, options: Options) -> None:
@@ -139,7 +188,7 @@ class Held:
         if error is not None:
             self.bury(tag, "undecodable", error)
             return
-        kind = atomic.take(tag)
+        kind = ATOMIC_TAGS.take(tag)
         message_id, lease = self.settle(tag)
         _counters.add("acked")
         if kind == "committed":
@@ -176,15 +225,13 @@ class Held:
         _counters.add("rejected")
         return self.store.bury(*held, reason, error)
 
-    def poisoned(
-        self, queue: str, payload: dict[str, Any], exc: Exception, sink: Sink | None
-    ) -> None:
+    def poisoned(self, delivery: Delivery, exc: Exception, sink: Forgets | None) -> None:
         """The consumer's callback raised ``exc`` on this delivery: dead-letter it
         (reason consumer_error, with the exception's text), log an error naming it, and
         tell ``sink`` (the channel) to stop counting it."""
-        tag = payload["properties"]["delivery_tag"]
+        tag = codec.delivery_tag(delivery.row.id, delivery.lease)
         try:
-            self._poisoned(queue, tag, exc)
+            self._poisoned(delivery.queue, tag, exc)
         finally:
             if sink is not None:
                 sink.forget(tag)
@@ -240,10 +287,14 @@ class Held:
             self._undecodable.pop(tag, None)
         self.release(self.settle_all(tags), uncount=False)
 
-    def release_payloads(self, payloads: list[dict[str, Any]]) -> None:
+    def release_deliveries(self, deliveries: Iterable[Delivery]) -> None:
         """Hand back claimed messages that no callback saw (no-ack ones are gone)."""
-        tags = [payload["properties"]["delivery_tag"] for payload in payloads]
+        tags = [codec.delivery_tag(d.row.id, d.lease) for d in deliveries]
         self.release(self.settle_all(tags))
+
+    def holding(self) -> int:
+        """How many deliveries are held unacked (any thread)."""
+        return len(self._ledger)
 
     def release(self, held: list[tuple[int, int]], *, uncount: bool = True) -> None:
         """Hand back ``held`` (id, lease) pairs; ``uncount``: they never reached a
