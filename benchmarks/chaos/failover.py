@@ -334,7 +334,7 @@ def _one(
             ledger.record_published(conn, run.run_id, [task_id for task_id, _ in published])
             try:
                 drained = procs.wait_for(
-                    lambda: _broker_count(standby, run.schema, "message") == 0,
+                    lambda: _broker_count(standby, run.schema, "message_store") == 0,
                     OPTIONS["visibility_timeout"] * 3 + 60,
                     "the queue to drain on the new primary",
                     every=0.5,
