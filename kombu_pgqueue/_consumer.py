@@ -238,6 +238,7 @@ class Consumer:
                 self.claimer.submit(self._request(queue, plan))
                 continue
             if sub.no_ack:
+                self.wakeups.claim_sent(queue)  # news from now on means: take again
                 deliveries = [Delivery(queue, r, 0) for r in self.store.take(queue, plan.limit)]
             else:
                 deliveries = self.claimed(self._run_here(self._request(queue, plan)))

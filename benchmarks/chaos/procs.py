@@ -256,7 +256,7 @@ def table_stats(
 def vacuum_ticker(
     dsn: str, schema: str, interval: float, stop: threading.Event
 ) -> threading.Thread:
-    """VACUUM ``schema.message_store`` every ``interval`` s: this server runs with autovacuum off."""
+    """VACUUM ``schema.message_store`` every ``interval`` s (autovacuum is off here)."""
 
     def loop() -> None:
         with psycopg.connect(dsn, autocommit=True) as conn:

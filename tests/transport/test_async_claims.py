@@ -618,3 +618,29 @@ def test_a_resumed_consumer_sends_a_claim_of_the_higher_priorities_when_it_is_du
     # the claim above the position came first, and the queue's own range right after
     assert [m.payload for m in held] == ["high", 4, 5, 6]
     assert consumer.resume_position("ctabove") is not None
+
+
+def test_a_queue_consumed_without_acks_is_taken_from_again_only_after_news(
+    make_connection: Callable[..., Connection], hub: Hub, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    conn = _registered(make_connection, hub, "ctnoack", 2)
+    consumer = conn.transport.consumer
+    takes: list[str] = []
+    take = consumer.store.take
+
+    def counted(queue: str, limit: int) -> Any:
+        takes.append(queue)
+        return take(queue, limit)
+
+    monkeypatch.setattr(consumer.store, "take", counted)
+    got: list[Any] = []
+    kombu_consumer = Consumer(
+        conn, [Queue("ctnoack")], callbacks=[lambda b, m: got.append(b)], no_ack=True
+    )
+    kombu_consumer.consume()
+    hub.run_until(lambda: len(got) == 2, 10)
+    end = time.monotonic() + 1
+    while time.monotonic() < end:  # the loop turns for a second, nothing new in the queue
+        hub.run_once()
+    # the take that found it drained was the last: a wakeup or the poll says when to look
+    assert len(takes) <= 3, takes
