@@ -89,6 +89,16 @@ def _consume(
     return got
 
 
+def _holding(conn: Connection, queue: str, prefetch: int) -> list[Any]:
+    """Consume ``queue`` on ``conn`` within a window of ``prefetch``; return the list the
+    messages are appended to, unacked (the test acks them)."""
+    held: list[Any] = []
+    Consumer(
+        conn, [Queue(queue)], callbacks=[lambda b, m: held.append(m)], prefetch_count=prefetch
+    ).consume()
+    return held
+
+
 def _failing_on_second(
     make_connection: Callable[..., Connection],
     hub: Hub,
@@ -163,10 +173,7 @@ def test_a_claim_never_brings_more_than_the_prefetch_window(
     make_connection: Callable[..., Connection], hub: Hub
 ) -> None:
     conn = _registered(make_connection, hub, "ctw", 20)
-    held: list[Any] = []
-    Consumer(
-        conn, [Queue("ctw")], callbacks=[lambda b, m: held.append(m)], prefetch_count=3
-    ).consume()
+    held = _holding(conn, "ctw", 3)
 
     hub.run_until(lambda: len(held) >= 3, 10)
     for _ in range(20):  # more ticks: nothing else may come while three are unacked
@@ -563,10 +570,7 @@ def test_only_time_in_the_server_counts_a_claim_as_slow_not_a_busy_loop(
     conn = _registered(make_connection, hub, "ctslow", 4)
     consumer = conn.transport.consumer
     clock = consumer.clock
-    held: list[Any] = []
-    Consumer(
-        conn, [Queue("ctslow")], callbacks=[lambda b, m: held.append(m)], prefetch_count=1
-    ).consume()
+    held = _holding(conn, "ctslow", 1)
 
     consumer.notice("ctslow")
     consumer.deliver_pending()
@@ -597,10 +601,7 @@ def test_a_resumed_consumer_sends_a_claim_of_the_higher_priorities_when_it_is_du
     conn = _registered(make_connection, hub, "ctabove", 12)
     consumer = conn.transport.consumer
     clock = consumer.clock
-    held: list[Any] = []
-    Consumer(
-        conn, [Queue("ctabove")], callbacks=[lambda b, m: held.append(m)], prefetch_count=4
-    ).consume()
+    held = _holding(conn, "ctabove", 4)
     consumer.notice("ctabove")
     consumer.deliver_pending()
     _take_answer(conn, "ctabove")
