@@ -37,30 +37,13 @@ from .records import (
 #: messages one rotation step moves at most, per generation
 ROTATION_BATCH = 10_000
 #: generations (partitions) there may be at once; a rotation waits while there are as
-#: many (drained ones that a long reader keeps from being dropped, say)
+#: many. A reader keeps the generations of its own era only (migration 0014), so this
+#: is a bound that readers in turn, each locking the next era, would reach
 MAX_GENERATIONS = 64
-#: generations there are while each is dropped soon after it drains: the next, the
-#: current, the previous, one draining (see dead_limit)
-SETTLED_GENERATIONS = 4
-#: every this many generations more, a new one waits for twice the dead rows and bytes
-GROWTH_GENERATIONS = 16
 
 
 def driver_version() -> str:
     return str(psycopg.__version__)
-
-
-def spacing(generations: int) -> float:
-    """How many times its usual dead rows and bytes (options generation_dead_rows,
-    generation_max_bytes) the current generation takes before the next starts, when
-    ``generations`` exist: once while the rotation drops them as it goes (about
-    SETTLED_GENERATIONS exist then), twice for every GROWTH_GENERATIONS more.
-
-    A lock holder (pg_dump) keeps the emptied ones until it ends, and each statement
-    locks every generation. At a fixed limit, a busy queue reached MAX_GENERATIONS in
-    eight minutes of a dump and then grew as one table; a growing limit spreads them
-    over a dump that lasts hours, each holding more dead rows."""
-    return float(2 ** (max(0, generations - SETTLED_GENERATIONS) / GROWTH_GENERATIONS))
 
 
 def new_lease() -> int:
@@ -318,18 +301,17 @@ class Store(Connected):
         """The storage's rotation, its steps in turn (function ``rotate``, migration 0012),
         each a transaction of its own; a step returns at once when another process is
         taking one."""
-        times = spacing(self.generations)
         # grown past its size (a snapshot held while it filled, then VACUUM made its
         # dead rows free space, which the dead rows' count no longer shows): the next
         # generation starts now, and this one's space comes back when it drains
-        oversized = self.current_bytes > self.options.generation_max_bytes * times
+        oversized = self.current_bytes > self.options.generation_max_bytes
         params: dict[str, Any] = {
             "channel": self.options.channel,
             "max_age": self.options.rotate_interval
             if oversized
             else self.options.generation_max_age,
             "min_age": self.options.rotate_interval,
-            "dead_limit": int(self.options.generation_dead_rows * times),
+            "dead_limit": self.options.generation_dead_rows,
             "batch": ROTATION_BATCH,
             "max_generations": MAX_GENERATIONS,
         }
@@ -349,7 +331,13 @@ class Store(Connected):
                     break
                 if name == "empty":
                     emptied += 1
-        dropped = step("drop").dropped
+        dropped = 0
+        # the emptied generations of one era a step, then the eras left with none
+        for _ in range(MAX_GENERATIONS):
+            taken = step("drop")
+            dropped += taken.dropped
+            if not taken.dropped:
+                break
         self.read_floor(now=True)  # the drain step may have moved it
         return Rotation(rotated, moved, emptied, dropped)
 

@@ -40,8 +40,8 @@ def indexes(conn: psycopg.Connection, found: list[dict[str, Any]]) -> set[str]:
     """The indexes ``found`` reads, a generation's by the name of message_store's."""
     names = {n["Index Name"] for n in found if "Index Name" in n}
     parents = conn.execute(
-        "SELECT c.relname, p.relname FROM pg_inherits AS i"
-        " JOIN pg_class AS c ON c.oid = i.inhrelid JOIN pg_class AS p ON p.oid = i.inhparent"
+        "SELECT c.relname, p.relname FROM pg_class AS c"
+        " JOIN pg_class AS p ON p.oid = pg_partition_root(c.oid)"
         " WHERE c.relname = ANY(%s)",
         (list(names),),
     ).fetchall()

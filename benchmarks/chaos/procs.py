@@ -232,8 +232,7 @@ def table_stats(
         """
         SELECT coalesce(parent.relname, s.indexrelname), pg_relation_size(s.indexrelid)
         FROM pg_stat_user_indexes AS s
-        LEFT JOIN pg_inherits AS i ON i.inhrelid = s.indexrelid
-        LEFT JOIN pg_class AS parent ON parent.oid = i.inhparent
+        LEFT JOIN pg_class AS parent ON parent.oid = pg_partition_root(s.indexrelid)
         WHERE s.relid IN (
             SELECT p.relid FROM pg_partition_tree(format('%%I.%%I', %(s)s::text, %(t)s::text))
                 AS p WHERE p.isleaf

@@ -80,9 +80,11 @@ delayed_seen AS (
 generations AS (
     -- the partitions of message_store (migration 0012), the largest first
     SELECT t.relname, greatest(t.n_live_tup, 0)::float8 AS live
-    FROM pg_catalog.pg_inherits AS i
-    JOIN pg_stat_user_tables AS t ON t.relid = i.inhrelid
-    WHERE i.inhparent = to_regclass(format('%%I.message_store', %(schema)s::text))
+    FROM pg_catalog.pg_partition_tree(to_regclass(format('%%I.message_store', %(schema)s::text)))
+        AS p
+    JOIN pg_stat_user_tables AS t ON t.relid = p.relid
+    -- the generations themselves, not the eras they are in (migration 0014)
+    WHERE p.isleaf
 ),
 live_rows AS (
     -- kept current by every commit, unlike pg_class.reltuples; 'message' stands for
@@ -315,8 +317,11 @@ WHERE t.schemaname = %(schema)s
   AND (
       t.relname IN ('message', 'dead_letter')
       OR t.relid IN (
-          SELECT i.inhrelid FROM pg_catalog.pg_inherits AS i
-          WHERE i.inhparent = to_regclass(format('%%I.message_store', %(schema)s::text))
+          SELECT p.relid
+          FROM pg_catalog.pg_partition_tree(
+              to_regclass(format('%%I.message_store', %(schema)s::text))
+          ) AS p
+          WHERE p.isleaf
       )
   )
 GROUP BY 1
