@@ -10,10 +10,11 @@ import time
 from typing import Any
 
 import psycopg
-from kombu import Producer
+from kombu import Connection, Producer
 from psycopg import sql
 
 from kombu_pgqueue.bulk import publish_many
+from kombu_pgqueue.embedded import broker_url
 
 from . import procs
 from .context import Context, Result
@@ -94,6 +95,21 @@ def _hold(holder: psycopg.Connection, schema: str, kind: str) -> None:
                 holder.execute(lock.format(sql.Identifier(schema, table)))
 
 
+def _aged(dsn: str, schema: str) -> None:
+    """The storage as an installation that has run for a while has it: the current
+    generation in an era (migration 0014), which a dump then locks. A new schema's first
+    generations are in none, and the first era would start only after the dump began."""
+    conn = Connection(
+        broker_url(dsn),
+        transport_options={"schema": schema, "pool_max_size": 1, "generation_max_age": 0},
+    )
+    try:
+        for _ in range(3):
+            conn.default_channel.store.rotate()
+    finally:
+        conn.release()
+
+
 def _probe(dsn: str, schema: str, stop: threading.Event, every: float) -> None:
     """A priority-9 message every ``every`` seconds, behind the backlog of priority 0:
     how long work that should jump the queue waits."""
@@ -143,6 +159,7 @@ def snapshot(ctx: Context, vacuum_every: float, kind: str = "dump") -> Result:
             target=_probe, args=(ctx.dsn, run.schema, probe_stop, 5.0), daemon=True
         )
         try:
+            _aged(ctx.dsn, run.schema)
             for p in workers:
                 p.start()
             if vacuum_every:
