@@ -101,7 +101,7 @@ def _aged(dsn: str, schema: str) -> None:
     generations are in none, and the first era would start only after the dump began."""
     conn = Connection(
         broker_url(dsn),
-        transport_options={"schema": schema, "pool_max_size": 1, "generation_max_age": 0},
+        transport_options={"schema": schema, "pool_max_size": 2, "generation_max_age": 0},
     )
     try:
         for _ in range(3):
