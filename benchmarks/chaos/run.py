@@ -86,11 +86,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--hold",
-        choices=("snapshot", "dump"),
+        choices=("snapshot", "dump", "none"),
         default="dump",
         help="snapshot: what the held transaction does: read no broker table (an analytics "
         "query, a standby's feedback: 'snapshot') or, as pg_dump, hold ACCESS SHARE on "
-        "every broker table ('dump', the default)",
+        "every broker table ('dump', the default); 'none' holds nothing, a control run "
+        "that shows how much the minutes vary on their own",
     )
     parser.add_argument("--keep", action="store_true", help="keep the schemas and ledger tables")
     args = parser.parse_args(argv)

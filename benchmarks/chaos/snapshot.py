@@ -73,12 +73,15 @@ def schema_bytes(conn: psycopg.Connection, schema: str) -> int:
 HOLDS = {
     "dump": "ACCESS SHARE on every broker table and a snapshot, as pg_dump holds them",
     "snapshot": "a snapshot, no broker table read (an analytics query, standby feedback)",
+    "none": "nothing: a control run, the same phases with no snapshot held",
 }
 
 
 def _hold(holder: psycopg.Connection, schema: str, kind: str) -> None:
     """Take the snapshot a long reader holds: as pg_dump does ('dump': ACCESS SHARE on
     every table of the schema, kept to the end), or reading no broker table."""
+    if kind == "none":
+        return
     holder.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
     holder.execute("SELECT count(*) FROM pg_class").fetchone()  # the snapshot
     if kind == "dump":

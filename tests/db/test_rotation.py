@@ -411,6 +411,76 @@ def test_an_upgrade_in_place_with_a_consumer_running_loses_nothing(
     assert left == (0,)
 
 
+def _as_version_13(db: psycopg.Connection, schema: str, first: int) -> None:
+    """Fifteen publishes and a rotation as a process of the previous version makes them:
+    rows into message_store, then each step once, by the function the schema has."""
+    for i in range(first, first + 15):
+        db.execute(
+            sql.SQL(
+                "INSERT INTO {} (queue, body, content_type, content_encoding, headers,"
+                " properties) VALUES (%s, %s, 'application/json', 'utf-8', '{{}}', '{{}}')"
+            ).format(sql.Identifier(schema, "message_store")),
+            (QUEUE, f'{{"i": {i}}}'.encode()),
+        )
+    for step in ("move", "drain", "empty", "drop"):
+        db.execute(
+            sql.SQL("SELECT * FROM {}.rotate(%s, 'pgqueue', 0, 0, 1, 10000, 64)").format(
+                sql.Identifier(schema)
+            ),
+            (step,),
+        )
+
+
+def _outside_eras(db: psycopg.Connection, schema: str) -> int:
+    """Generations attached to message_store itself, as before migration 0014."""
+    row = db.execute(
+        "SELECT count(*) FROM pg_inherits AS i JOIN pg_class AS c ON c.oid = i.inhrelid"
+        " WHERE i.inhparent = %s::regclass AND c.relkind = 'r'",
+        (f'"{schema}".message_store',),
+    ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def test_an_upgrade_to_eras_delivers_what_the_generations_before_it_hold(
+    dsn: str, schema: str, db: psycopg.Connection, make_connection: Callable[..., Connection]
+) -> None:
+    """Migration 0014 with generations of migration 0012's kind holding messages: what
+    they hold is delivered, they are dropped as they drain, and the new ones are in eras."""
+    migrate(dsn, schema, to=13)
+    for first in range(0, 60, 15):
+        _as_version_13(db, schema, first)
+    assert _outside_eras(db, schema) >= 4
+    migrate(dsn, schema)  # what the first worker of the new version does as it starts
+
+    conn = make_connection(rotate_interval=0.1, generation_max_age=0, polling_interval=0.2)
+    got: list[int] = []
+
+    def on_message(body: dict[str, int], message: Any) -> None:
+        got.append(body["i"])
+        message.ack()
+
+    with Consumer(conn, [Queue(QUEUE)], callbacks=[on_message]):
+        producer = Producer(conn)
+        for i in range(60, 100):
+            producer.publish({"i": i}, routing_key=QUEUE)
+
+        def settled() -> bool:
+            with contextlib.suppress(TimeoutError):
+                conn.drain_events(timeout=0.2)
+            return len(got) >= 100 and _outside_eras(db, schema) == 0
+
+        wait_for(
+            settled,
+            30,
+            "every message, and the generations from before eras dropped",
+            details=lambda: (len(got), _generations(db, schema)),
+        )
+
+    assert sorted(got) == list(range(100))
+    assert _eras(db, schema)
+
+
 def test_a_long_task_moves_forward_as_its_lease_is_renewed(
     rotating: Connection, db: psycopg.Connection, schema: str
 ) -> None:
