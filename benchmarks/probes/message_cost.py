@@ -2,7 +2,7 @@
 (issue 30 asks for them before and after the storage changed).
 
     python benchmarks/probes/message_cost.py [--n 20000] [--batch 100] [--rounds 3]
-        [--checkouts /tmp/before:/work/main]
+        [--checkouts /tmp/before:/work/main] [--aged no|yes|both]
 
 For each checkout (a directory holding kombu_pgqueue, run in a subprocess with it first on
 sys.path), in rounds that interleave the checkouts: a fresh schema, ``--n`` publishes one
@@ -10,7 +10,10 @@ by one, claims of ``--batch`` until the queue is empty, and acks of each claimed
 The server's CPU is the user and system time of every process of the PostgreSQL server
 (its postmaster's children, read from /proc), so the machine should be otherwise quiet;
 WAL is ``pg_current_wal_lsn()`` before and after each phase. Printed per checkout: the
-median and range over the rounds, per message, for each phase.
+median and range over the rounds, per message, for each phase. ``--aged yes`` rotates the
+new schema's storage three times first, so that the messages go to a generation in an era
+(migration 0014) as in an installation that has run for a while; ``both`` interleaves the
+two in each round.
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ from kombu_pgqueue import migrate
 from kombu_pgqueue._options import parse_options
 from kombu_pgqueue._store import Outgoing, Store, new_lease
 
-dsn, n, batch = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+dsn, n, batch, aged = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
 schema = "cost_" + uuid.uuid4().hex[:8]
 ticks = os.sysconf("SC_CLK_TCK")
 
@@ -70,6 +73,11 @@ def wal(conn):
 
 with psycopg.connect(dsn, autocommit=True) as conn:
     migrate(conn, schema)
+    if aged:
+        rotating = Store(dsn, parse_options({"schema": schema, "generation_max_age": 0}))
+        for _ in range(3):
+            rotating.rotate()
+        rotating.pool.close()
     store = Store(dsn, parse_options({"schema": schema}))
     out = {}
     message = Outgoing(queue="q", body=b'{"task": "t", "args": [1, 2]}', headers="{}",
@@ -105,10 +113,10 @@ print(json.dumps(out))
 )
 
 
-def run(checkout: str, n: int, batch: int) -> dict[str, list[float]]:
+def run(checkout: str, n: int, batch: int, aged: bool) -> dict[str, list[float]]:
     env = {**os.environ, "PYTHONPATH": checkout}
     done = subprocess.run(
-        [sys.executable, "-c", CHILD, DSN, str(n), str(batch)],
+        [sys.executable, "-c", CHILD, DSN, str(n), str(batch), "1" if aged else "0"],
         env=env,
         cwd=checkout,
         capture_output=True,
@@ -124,15 +132,18 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=100)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--checkouts", default=str(Path(__file__).resolve().parents[2]))
+    parser.add_argument("--aged", choices=("no", "yes", "both"), default="no")
     args = parser.parse_args()
     checkouts = args.checkouts.split(":")
-    results: dict[str, list[dict[str, list[float]]]] = {c: [] for c in checkouts}
+    ages = {"no": [False], "yes": [True], "both": [False, True]}[args.aged]
+    sides = [(checkout, aged) for checkout in checkouts for aged in ages]
+    results: dict[tuple[str, bool], list[dict[str, list[float]]]] = {s: [] for s in sides}
     for _ in range(args.rounds):
-        for checkout in checkouts:
-            results[checkout].append(run(checkout, args.n, args.batch))
+        for checkout, aged in sides:
+            results[(checkout, aged)].append(run(checkout, args.n, args.batch, aged))
     print(f"{args.n} messages, claims of {args.batch}, {args.rounds} rounds; per message:")
-    for checkout, rounds in results.items():
-        print(f"  {checkout}")
+    for (checkout, aged), rounds in results.items():
+        print(f"  {checkout}{' (aged: three rotations first)' if aged else ''}")
         for phase in ("publish", "claim", "ack"):
             cpu = [r[phase][0] for r in rounds]
             wal = [r[phase][1] for r in rounds]
