@@ -95,10 +95,9 @@ class Connected:
         self._pool: ConnectionPool | None = None
         self._pid = os.getpid()
         self._database: transactions.Database | None = None
-        # the oldest generation that may hold a message, as last read (0: all of them);
-        # how many generations existed then, and the current one's bytes (Store.rotate)
+        # the oldest generation that may hold a message, as last read (0: all of them),
+        # and the current one's bytes then (Store.rotate)
         self._floor = 0
-        self.generations = 0
         self.current_bytes = 0
         self._floor_read = -FLOOR_READ_SECONDS
 
@@ -246,8 +245,7 @@ class Connected:
     def _note_floor(self, row: tuple[Any, ...] | None) -> None:
         if row is not None:
             self._floor = max(self._floor, int(row[0]))
-            self.generations = int(row[1])
-            self.current_bytes = int(row[2] or 0)
+            self.current_bytes = int(row[1] or 0)
 
     def read_floor(self, *, now: bool = False) -> None:
         """Read :attr:`floor` again if FLOOR_READ_SECONDS have passed (or ``now``: the

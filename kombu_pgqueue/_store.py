@@ -320,26 +320,26 @@ class Store(Connected):
             row = self._one("rotate", {**params, "step": name})
             return Rotation(*row) if row else Rotation(False, 0, 0, 0)
 
-        done = step("move")
-        rotated, moved, emptied = done.rotated, done.moved, 0
-        # drain, then empty, one generation a step, while there is one to take
-        for name in ("drain", "empty"):
+        def repeated(name: str) -> tuple[int, int]:
+            """The step again while it did something (drained or emptied one generation,
+            dropped one era's generations or the eras left with none): the messages it
+            moved, and what it did in all."""
+            moved = did = 0
             for _ in range(MAX_GENERATIONS):
                 taken = step(name)
                 moved += taken.moved
-                if not taken.emptied:
+                if not (taken.emptied or taken.dropped):
                     break
-                if name == "empty":
-                    emptied += 1
-        dropped = 0
-        # the emptied generations of one era a step, then the eras left with none
-        for _ in range(MAX_GENERATIONS):
-            taken = step("drop")
-            dropped += taken.dropped
-            if not taken.dropped:
-                break
+                did += taken.emptied + taken.dropped
+            return moved, did
+
+        done = step("move")
+        drained_moved, _ = repeated("drain")
+        emptied_moved, emptied = repeated("empty")
+        _, dropped = repeated("drop")
+        moved = done.moved + drained_moved + emptied_moved
         self.read_floor(now=True)  # the drain step may have moved it
-        return Rotation(rotated, moved, emptied, dropped)
+        return Rotation(done.rotated, moved, emptied, dropped)
 
     # -- queues, exchanges, bindings ---------------------------------------------
 

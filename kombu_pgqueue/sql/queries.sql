@@ -724,11 +724,10 @@ SELECT
 
 -- name: generation_floor :one
 -- The oldest generation that may hold a message: what the client passes as %(floor)s
--- (see the top) until it reads it again; how many generations exist, and the current
--- one's bytes (Store.rotate: when to start a new one).
+-- (see the top) until it reads it again; and the current one's bytes (Store.rotate:
+-- when to start a new one).
 SELECT
     oldest,
-    (SELECT count(*) FROM {schema}.generation),
     pg_total_relation_size(to_regclass(format(
         '%%I.%%I', {schema}.schema_name(),
         'message_store_' || (SELECT s.last_value FROM {schema}.generation_seq AS s)
