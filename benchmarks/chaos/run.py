@@ -93,6 +93,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "every broker table ('dump', the default); 'none' holds nothing, a control run "
         "that shows how much the minutes vary on their own",
     )
+    parser.add_argument(
+        "--paired",
+        action="store_true",
+        help="snapshot: run the same load at the same time in a second database where "
+        "nothing is held, and give each minute of the hold against the control's same minute",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the schemas and ledger tables")
     args = parser.parse_args(argv)
     unknown = sorted(set(args.scenarios) - set(SCENARIOS))
@@ -110,7 +116,7 @@ def run_one(ctx: Context, name: str, args: argparse.Namespace) -> Result:
         if name == "load":
             result = kombu_scenarios.load(ctx, args.rate, args.vacuum_every)
         elif name == "snapshot":
-            result = snapshot.snapshot(ctx, args.vacuum_every, args.hold)
+            result = snapshot.snapshot(ctx, args.vacuum_every, args.hold, args.paired)
         elif name == "failover":
             result = failover.failover(ctx)
         elif name == "atomic":

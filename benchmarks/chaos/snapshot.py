@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing
+import statistics
 import threading
 import time
 from typing import Any
@@ -12,6 +13,7 @@ from typing import Any
 import psycopg
 from kombu import Connection, Producer
 from psycopg import sql
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from kombu_pgqueue.bulk import publish_many
 from kombu_pgqueue.embedded import broker_url
@@ -125,90 +127,167 @@ def _probe(dsn: str, schema: str, stop: threading.Event, every: float) -> None:
     conn.release()
 
 
-def snapshot(ctx: Context, vacuum_every: float, kind: str = "dump") -> Result:
-    """A busy queue while a transaction holds a snapshot (issue 30's targets: drain in
-    every minute of the hold at least 0.9x the before phase, a priority-9 probe delivered
-    within 1 s, the broker's tables 60 s after the hold at most 2x their size before)."""
-    hold = (ctx.minutes or (0.5 if ctx.quick else 5.0)) * 60
-    before = after = 20.0 if ctx.quick else 60.0
-    n_cons = 4
-    mp = multiprocessing.get_context("spawn")
-    with ctx.run("snapshot") as run, run.connect() as conn:
-        stop_prod, stop_cons = mp.Event(), mp.Event()
-        results = mp.Queue()
-        t0 = time.time()
-        counters = [mp.Value("q", 0, lock=False) for _ in range(n_cons)]
-        dry = mp.Value("q", 0, lock=False)  # producer loops that found under `low` waiting
-        workers = [
+def control_database(dsn: str) -> str:
+    """A fresh database beside ``dsn``'s for the paired control's load; its DSN. A snapshot
+    held in one database does not hold back VACUUM in another (PostgreSQL 14 and later
+    keep a backend's xmin out of the horizon of other databases' tables), so the control
+    runs the same load at the same moments with nothing held."""
+    params = conninfo_to_dict(dsn)
+    name = f"{params.get('dbname') or 'postgres'}_chaos_control"
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(
+            sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+        )
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    params["dbname"] = name
+    return make_conninfo(**params)
+
+
+def drop_database(admin_dsn: str, dsn: str) -> None:
+    name = conninfo_to_dict(dsn)["dbname"]
+    with psycopg.connect(admin_dsn, autocommit=True) as conn:
+        conn.execute(
+            sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+        )
+
+
+class Load:
+    """The scenario's load on one database: consumers, a producer keeping a backlog, the
+    VACUUM ticker and the priority-9 probe."""
+
+    N_CONS = 4
+
+    def __init__(self, dsn: str, schema: str, run_id: str, vacuum_every: float) -> None:
+        self.dsn, self.schema, self.vacuum_every = dsn, schema, vacuum_every
+        mp = multiprocessing.get_context("spawn")
+        self.stop_prod, self.stop_cons = mp.Event(), mp.Event()
+        self.results = mp.Queue()
+        self.t0 = time.time()
+        self.counters = [mp.Value("q", 0, lock=False) for _ in range(self.N_CONS)]
+        self.dry = mp.Value("q", 0, lock=False)  # producer loops that found under `low`
+        self.workers = [
             mp.Process(
                 target=consumer,
-                args=(ctx.dsn, run.schema, run.run_id, t0, stop_cons, results, c, False),
+                args=(dsn, schema, run_id, self.t0, self.stop_cons, self.results, c, False),
             )
-            for c in counters
+            for c in self.counters
         ] + [
             mp.Process(
                 target=backlog_producer,
-                args=(ctx.dsn, run.schema, stop_prod, 2000, 6000, counters, dry),
+                args=(dsn, schema, self.stop_prod, 2000, 6000, self.counters, self.dry),
             )
         ]
-        vac_stop = threading.Event()
-        samples: list[tuple[float, int]] = []
+        self.vac_stop = threading.Event()
+        self.probe_stop = threading.Event()
+        self.prober = threading.Thread(
+            target=_probe, args=(dsn, schema, self.probe_stop, 5.0), daemon=True
+        )
+
+    def start(self) -> None:
+        _aged(self.dsn, self.schema)
+        for p in self.workers:
+            p.start()
+        if self.vacuum_every:
+            procs.vacuum_ticker(self.dsn, self.schema, self.vacuum_every, self.vac_stop)
+        self.prober.start()
+
+    def count(self) -> int:
+        return sum(c.value for c in self.counters)
+
+    def stop(self) -> list[Any]:
+        """Stop everything; the consumers' reports."""
+        self.close_quietly()
+        return _drain_results(self.results, self.N_CONS)
+
+    def close_quietly(self) -> None:
+        self.probe_stop.set()
+        self.stop_prod.set()
+        self.stop_cons.set()
+        self.vac_stop.set()
+
+    def join(self) -> None:
+        self.close_quietly()
+        for p in self.workers:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+
+
+def snapshot(ctx: Context, vacuum_every: float, kind: str = "dump", paired: bool = False) -> Result:
+    """A busy queue while a transaction holds a snapshot (issue 30's targets: drain in
+    every minute of the hold at least 0.9x the before phase, a priority-9 probe delivered
+    within 1 s, the broker's tables 60 s after the hold at most 2x their size before).
+
+    ``paired``: the same load runs at the same time in a second database where nothing is
+    held, and each minute of the hold is also given against the control's same minute
+    (each side against its own before phase), so that a minute the machine ran slow for
+    both does not count against the hold."""
+    hold = (ctx.minutes or (0.5 if ctx.quick else 5.0)) * 60
+    before = after = 20.0 if ctx.quick else 60.0
+    with ctx.run("snapshot") as run, run.connect() as conn:
+        loads = {"held": Load(ctx.dsn, run.schema, run.run_id, vacuum_every)}
+        control_dsn = None
+        if paired:
+            control_dsn = control_database(ctx.dsn)
+            procs.create_schema(control_dsn, run.schema)
+            loads["control"] = Load(control_dsn, run.schema, run.run_id, vacuum_every)
+        samples: list[tuple[float, dict[str, int]]] = []
         marks: dict[str, float] = {}
         stats: dict[str, dict[str, Any]] = {}
         holder = psycopg.connect(ctx.dsn, application_name="chaos-snapshot-holder")
         sizes: dict[str, int] = {}
-        probe_stop = threading.Event()
-        prober = threading.Thread(
-            target=_probe, args=(ctx.dsn, run.schema, probe_stop, 5.0), daemon=True
-        )
+        control_sizes: dict[str, int] = {}
+        control_conn = psycopg.connect(control_dsn, autocommit=True) if control_dsn else None
+        held = loads["held"]
         try:
-            _aged(ctx.dsn, run.schema)
-            for p in workers:
-                p.start()
-            if vacuum_every:
-                procs.vacuum_ticker(ctx.dsn, run.schema, vacuum_every, vac_stop)
-            prober.start()
-            procs.wait_for(lambda: sum(c.value for c in counters) > 0, 60, "consumers to start")
+            for load in loads.values():
+                load.start()
+            for name, load in loads.items():
+                procs.wait_for(lambda load=load: load.count() > 0, 60, f"{name} consumers")
 
             def sample_for(seconds: float) -> None:
                 end = time.monotonic() + seconds
                 while time.monotonic() < end:
-                    samples.append((time.monotonic(), sum(c.value for c in counters)))
+                    counts = {name: load.count() for name, load in loads.items()}
+                    samples.append((time.monotonic(), counts))
                     procs.pause(1.0)
+
+            def measure_sizes(key: str) -> None:
+                sizes[key] = schema_bytes(conn, run.schema)
+                if control_conn is not None:
+                    control_sizes[key] = schema_bytes(control_conn, run.schema)
 
             marks["before"] = time.monotonic()
             stats["start"] = procs.table_stats(conn, run.schema)
             sample_for(before)
-            sizes["before"] = schema_bytes(conn, run.schema)
+            measure_sizes("before")
             _hold(holder, run.schema, kind)
             marks["during"] = time.monotonic()
             stats["hold begins"] = procs.table_stats(conn, run.schema)
             sample_for(hold)
             stats["hold ends"] = procs.table_stats(conn, run.schema)
-            sizes["hold ends"] = schema_bytes(conn, run.schema)
+            measure_sizes("hold ends")
             holder.rollback()
             marks["after"] = time.monotonic()
             sample_for(after)
             marks["end"] = time.monotonic()
             stats["end"] = procs.table_stats(conn, run.schema)
-            sizes["after"] = schema_bytes(conn, run.schema)
-            probe_stop.set()
-            stop_prod.set()
-            stop_cons.set()
-            reports = _drain_results(results, n_cons)
+            measure_sizes("after")
+            reports = held.stop()
+            for name, load in loads.items():
+                if name != "held":
+                    load.stop()
         finally:
             holder.close()
-            probe_stop.set()
-            stop_prod.set()
-            stop_cons.set()
-            vac_stop.set()
-            for p in workers:
-                p.join(timeout=60)
-                if p.is_alive():
-                    p.kill()
+            for load in loads.values():
+                load.join()
+            if control_conn is not None:
+                control_conn.close()
+            if control_dsn and not ctx.keep:
+                drop_database(ctx.dsn, control_dsn)
 
-        def rate(a: float, b: float) -> float:
-            inside = [(t, v) for t, v in samples if a <= t <= b]
+        def rate(a: float, b: float, side: str = "held") -> float:
+            inside = [(t, v[side]) for t, v in samples if a <= t <= b]
             if len(inside) < 2:
                 return float("nan")
             return (inside[-1][1] - inside[0][1]) / (inside[-1][0] - inside[0][0])
@@ -231,7 +310,7 @@ def snapshot(ctx: Context, vacuum_every: float, kind: str = "dump") -> Result:
 
         def claim_p50(a: str, b: str) -> str:
             # buckets count from t0 (wall clock); marks are monotonic
-            shift = (time.time() - t0) - time.monotonic()
+            shift = (time.time() - held.t0) - time.monotonic()
             lo, hi = int((marks[a] + shift) // BUCKET), int((marks[b] + shift) // BUCKET)
             values = [v for k in range(lo + 1, hi) for v in claims.get(k, [])]
             p50, p99 = _pct(values, 0.5) * 1000, _pct(values, 0.99) * 1000
@@ -257,6 +336,17 @@ def snapshot(ctx: Context, vacuum_every: float, kind: str = "dump") -> Result:
             "priority-9 probe during the hold within 1 s": bool(during) and max(during) <= 1.0,
             "broker tables 60 s after <= 2x before": size_ratio <= 2.0,
         }
+        paired_minutes: list[float] = []
+        if paired:
+            c_before = rate(marks["before"], marks["during"], "control")
+            c_minutes = [rate(a, b, "control") for a, b in zip(edges, edges[1:])]
+            paired_minutes = [
+                (m / r_before) / (c / c_before) if r_before and c and c_before else float("nan")
+                for m, c in zip(minutes, c_minutes)
+            ]
+            targets["every minute of the hold >= 0.9x the control's (paired)"] = all(
+                p >= 0.9 for p in paired_minutes
+            )
         result = Result("snapshot", all(targets.values()), seconds=run.elapsed())
         result.measures += [
             ("hold", HOLDS[kind]),
@@ -264,6 +354,27 @@ def snapshot(ctx: Context, vacuum_every: float, kind: str = "dump") -> Result:
                 "drain per minute of the hold (msg/s, x before)",
                 " / ".join(f"{m:.0f} ({m / r_before:.2f})" for m in minutes),
             ),
+        ]
+        if paired:
+            result.measures += [
+                (
+                    "control, same minutes (msg/s, x its before)",
+                    " / ".join(f"{c:.0f} ({c / c_before:.2f})" for c in c_minutes)
+                    + f"; before {c_before:.0f}",
+                ),
+                (
+                    "paired: each minute x before, over the control's",
+                    " / ".join(f"{p:.2f}" for p in paired_minutes)
+                    + f"; median {statistics.median(paired_minutes):.2f}",
+                ),
+                (
+                    "control's tables before / hold ends / after (MB)",
+                    " / ".join(
+                        f"{control_sizes[k] / 1e6:.0f}" for k in ("before", "hold ends", "after")
+                    ),
+                ),
+            ]
+        result.measures += [
             (
                 "priority-9 probe, slowest delivery during the hold / overall (s)",
                 f"{max(during) if during else float('nan'):.2f} / "
@@ -277,8 +388,11 @@ def snapshot(ctx: Context, vacuum_every: float, kind: str = "dump") -> Result:
         ]
         result.measures += [(f"target: {k}", "PASS" if v else "FAIL") for k, v in targets.items()]
         result.measures += [
-            ("consumers (processes, prefetch 20) / backlog kept", f"{n_cons} / 2000-6000"),
-            ("producer loops that found the backlog under 2000", dry.value),
+            (
+                "consumers (processes, prefetch 20) / backlog kept",
+                f"{Load.N_CONS} / 2000-6000" + (", in each database" if paired else ""),
+            ),
+            ("producer loops that found the backlog under 2000", held.dry.value),
             ("phases before / hold / after (s)", f"{before:.0f} / {hold:.0f} / {after:.0f}"),
             (
                 "VACUUM of the message table every (s), autovacuum is off here",
