@@ -347,6 +347,12 @@ def snapshot(ctx: Context, vacuum_every: float, kind: str = "dump", paired: bool
             targets["every minute of the hold >= 0.9x the control's (paired)"] = all(
                 p >= 0.9 for p in paired_minutes
             )
+            # the control's tables grow too while its storage reaches its working size
+            # (the generations fill to their rotation); the held side's against them
+            paired_size = (
+                sizes["after"] / control_sizes["after"] if control_sizes["after"] else float("nan")
+            )
+            targets["broker tables 60 s after <= 2x the control's (paired)"] = paired_size <= 2.0
         result = Result("snapshot", all(targets.values()), seconds=run.elapsed())
         result.measures += [
             ("hold", HOLDS[kind]),
@@ -371,7 +377,8 @@ def snapshot(ctx: Context, vacuum_every: float, kind: str = "dump", paired: bool
                     "control's tables before / hold ends / after (MB)",
                     " / ".join(
                         f"{control_sizes[k] / 1e6:.0f}" for k in ("before", "hold ends", "after")
-                    ),
+                    )
+                    + f"; the held side's after over the control's: {paired_size:.2f}x",
                 ),
             ]
         result.measures += [
