@@ -162,7 +162,7 @@ def main() -> int:
         ]
         time.sleep(args.seconds)
         stop.touch()
-        codes = {p.args[5]: p.wait(timeout=60) for p in procs}  # type: ignore[index]
+        codes = {p.args[6]: p.wait(timeout=60) for p in procs}  # type: ignore[index]
         # what is left waiting, drained by a consumer of this checkout
         stop.unlink()
         drainer = spawn("new", "consume", "new-drainer")
