@@ -107,11 +107,7 @@ def _churn(
     """churn_n claims+acks from the head of the deep queue leave dead index entries in
     front of the live ones until (auto)vacuum runs: claim(1) then, and after VACUUM."""
     reps = ctx.sizes["claim_reps"]
-    conn.execute(
-        psycopg.sql.SQL("ALTER TABLE {}.message_store SET (autovacuum_enabled = off)").format(
-            psycopg.sql.Identifier(schema)
-        )
-    )
+    _autovacuum(conn, schema, "SET (autovacuum_enabled = off)")
     try:
         claim_cost(store, "deep", 100, ctx.sizes["churn_n"] // 100)
         out["claim1_churned"] = [claim_cost(store, "deep", 1, reps) for _ in range(ctx.runs)]
@@ -151,11 +147,18 @@ def _churn(
             ctx.notes.append("pgqueue: VACUUM after churn said: " + "; ".join(detail[:2]))
         out["claim1_vacuumed"] = [claim_cost(store, "deep", 1, reps) for _ in range(ctx.runs)]
     finally:
-        conn.execute(
-            psycopg.sql.SQL("ALTER TABLE {}.message_store RESET (autovacuum_enabled)").format(
-                psycopg.sql.Identifier(schema)
-            )
-        )
+        _autovacuum(conn, schema, "RESET (autovacuum_enabled)")
+
+
+def _autovacuum(conn: psycopg.Connection, schema: str, change: str) -> None:
+    """ALTER each generation of the message table (the storage parameter is a leaf
+    table's: a partitioned table refuses it)."""
+    leaves = conn.execute(
+        "SELECT relid::regclass::text FROM pg_partition_tree(%s) WHERE isleaf",
+        (f'"{schema}".message_store',),
+    ).fetchall()
+    for (leaf,) in leaves:
+        conn.execute(psycopg.sql.SQL("ALTER TABLE {} " + change).format(psycopg.sql.SQL(leaf)))
 
 
 def bench_claim(ctx: Ctx, broker: Broker) -> dict[str, list[float]]:
