@@ -98,8 +98,9 @@ def measure_latency(
             sent, started = sink.latency[-1]
             if i >= warmup:
                 samples.append((started - sent) * 1000.0)
-            # let the worker go idle again: past IDLE_INLINE_SECONDS (0.02), so that an
-            # idle worker's claim is the inline one whatever the harness's own delay
+            # let the worker go idle again: past the transport option
+            # idle_inline_seconds (0.02), so that an idle worker's claim is the inline
+            # one whatever the harness's own delay
             time.sleep(0.05)
             if i >= warmup + ctx.sizes["latency_min"] and time.monotonic() - t_start > cap:
                 break

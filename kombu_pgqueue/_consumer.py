@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import psycopg
 
-from . import _counters, _pacing
+from . import _counters
 from ._claimer import Claimer
 from ._handoffs import late
 from ._options import Options
@@ -73,7 +73,9 @@ class Consumer:
         self.claimer: Claimer | None = None
         self._subs: dict[str, Subscription] = {}
         #: each channel's claims in flight and batches, where each queue's claims start
-        self._pacing = Pacing(self.clock)
+        self._pacing = Pacing(
+            self.clock, slow_claim=options.slow_claim_seconds, resume=options.resume_seconds
+        )
         #: queues with a claim in flight
         self._inflight: set[str] = set()
         self._last_delivery = 0.0
@@ -209,7 +211,7 @@ class Consumer:
         With a claimer (an event loop with asynchronous claims), this only sends the
         claims (see :meth:`on_claimed`), except for no-ack queues (a take deletes what
         it hands out), when ``inline``, and when nothing was delivered for
-        IDLE_INLINE_SECONDS (the claim is quicker here) unless called from the loop's
+        ``idle_inline_seconds`` (the claim is quicker here) unless called from the loop's
         tick callbacks (``in_tick``): Celery's prefork pool writes the tasks handed to
         it in a tick callback of its own, and a task handed over in a later one waits
         for the next tick, after a poll that can sleep until the next timer (2 to 5 s
@@ -285,7 +287,7 @@ class Consumer:
         return (
             not self._inflight
             and not self.settler.holding()
-            and self.clock() - self._last_delivery >= _pacing.IDLE_INLINE_SECONDS
+            and self.clock() - self._last_delivery >= self.options.idle_inline_seconds
         )
 
     def _hand_out(self, queue: str, limit: int, deliveries: list[Delivery], part: bool) -> None:

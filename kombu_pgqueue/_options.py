@@ -49,6 +49,9 @@ class Options:
     generation_max_age: float = 600.0
     generation_dead_rows: int = 100_000
     generation_max_bytes: int = 64 << 20
+    slow_claim_seconds: float = 0.005
+    resume_seconds: float = 1.0
+    idle_inline_seconds: float = 0.02
     listen: bool = True
     handoff: bool = True
     batch_acks: bool = True
@@ -87,6 +90,8 @@ def _number(name: str, value: Any, *, minimum: float, integer: bool = False) -> 
         raise ConfigurationError(
             f"transport option {name!r} must be a number, got {value!r}"
         ) from None
+    if number != number:  # NaN compares false with everything, limits included
+        raise ConfigurationError(f"transport option {name!r} must be a number, got {value!r}")
     if number < minimum:
         raise ConfigurationError(
             f"transport option {name!r} must be at least {minimum}, got {value!r}"
@@ -211,6 +216,9 @@ def parse_options(transport_options: Mapping[str, Any]) -> Options:
         ("sweep_interval", 0.1),
         ("rotate_interval", 0.1),
         ("generation_max_age", 0.0),
+        ("slow_claim_seconds", 0.0),
+        ("resume_seconds", 0.0),
+        ("idle_inline_seconds", 0.0),
         ("pool_timeout", 0.1),
         ("statement_timeout", 0.0),
         ("publish_timeout", 0.0),

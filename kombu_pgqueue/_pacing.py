@@ -26,11 +26,6 @@ UNLIMITED_BATCH = 100
 #: to free (see batch_limit)
 CLAIM_BATCH_WAIT = 0.05
 
-#: a consumer that delivered nothing for this long claims in the event loop's own thread
-#: (the loop has nothing else to do): the hops to a claim thread and back came to about
-#: a tenth of the time from apply_async to task start on an idle prefork worker
-IDLE_INLINE_SECONDS = 0.02
-
 
 class Sink(Protocol):
     """The consuming side of one Kombu channel, as the consumer sees it."""
@@ -107,17 +102,6 @@ def has_room(sink: Sink, state: SinkState) -> bool:
     return room is None or room - state.claiming > 0
 
 
-#: a claim from the head that took longer than this in the server (it stepped over many
-#: acked rows that VACUUM may not remove yet, e.g. while an old snapshot is held) makes
-#: the consumer resume after its last message for RESUME_SECONDS, or 20 times that
-#: claim's duration if longer; then it claims from the head again, which also picks up
-#: requeued messages, lease expiries and higher priorities (they wait that long at most,
-#: plus a safety poll if nothing else wakes the consumer, and only while the head is
-#: slow). The server's time, not the client's: an asynchronous claim's answer may wait
-#: in its socket while the event loop is busy, and that says nothing about the head.
-SLOW_CLAIM_SECONDS = 0.005
-RESUME_SECONDS = 1.0
-
 #: while resumed, a claim of the higher priorities than the position's (statement
 #: claim_above) takes the place of one resumed claim this often, and at once again if it
 #: filled its batch: a priority-9 message published meanwhile waits about this long, not
@@ -132,9 +116,23 @@ MAX_PRIORITY = 255
 class ResumePositions:
     """queue -> (priority, id, until): claims from the queue start after that message
     until then (a time of the consumer's clock); without one, from the head. And when
-    each queue's next look above its position is due (see ABOVE_SECONDS)."""
+    each queue's next look above its position is due (see ABOVE_SECONDS).
 
-    def __init__(self) -> None:
+    A claim from the head that took longer than ``slow`` seconds in the server (it
+    stepped over many acked rows that VACUUM may not remove yet, e.g. while an old
+    snapshot is held) makes the consumer resume after its last message for ``resume``
+    seconds, or 20 times that claim's duration if longer; then it claims from the head
+    again, which also picks up requeued messages, lease expiries and higher priorities
+    (they wait that long at most, plus a safety poll if nothing else wakes the consumer,
+    and only while the head is slow). The server's time, not the client's: an
+    asynchronous claim's answer may wait in its socket while the event loop is busy,
+    and that says nothing about the head. Both are transport options
+    (``slow_claim_seconds``, ``resume_seconds``).
+    """
+
+    def __init__(self, slow: float, resume: float) -> None:
+        self._slow = slow
+        self._resume = resume
         self._at: dict[str, tuple[int, int, float]] = {}
         self._above_at: dict[str, float] = {}
 
@@ -166,10 +164,10 @@ class ResumePositions:
             full = len(rows) >= request.limit
             self._above_at[queue] = now if full else now + ABOVE_SECONDS
         elif request.after is None:
-            if rows and result.took > SLOW_CLAIM_SECONDS:
+            if rows and result.took > self._slow:
                 # the slower the head, the longer until the next look at it (at most
                 # about 5 % of the time goes to claims from the head)
-                until = now + max(RESUME_SECONDS, 20 * result.took)
+                until = now + max(self._resume, 20 * result.took)
                 self._at[queue] = (rows[-1].priority, rows[-1].id, until)
                 self._above_at[queue] = now + ABOVE_SECONDS  # the head was read just now
             else:
@@ -205,10 +203,10 @@ class Pacing:
     only in :meth:`note`.
     """
 
-    def __init__(self, clock: Clock) -> None:
+    def __init__(self, clock: Clock, *, slow_claim: float, resume: float) -> None:
         self.clock = clock
         self._sinks: dict[int, SinkState] = {}
-        self._resume = ResumePositions()
+        self._resume = ResumePositions(slow_claim, resume)
 
     def plan(
         self,

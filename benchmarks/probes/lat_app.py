@@ -16,15 +16,14 @@ import time
 
 from celery import Celery
 
-from kombu_pgqueue import _pacing
-
 SCHEMA = os.environ.get("PROBE_SCHEMA", "probe_s")
 TRACE = os.environ.get("PROBE_TRACE", "/tmp/probe_trace.log")
 DSN = os.environ.get("PROBE_BROKER", "pgqueue://postgres@127.0.0.1/test")
 
 app = Celery("lat_app", broker=DSN)
+NO_IDLE = {"idle_inline_seconds": 1e9} if os.environ.get("PROBE_NO_IDLE") == "1" else {}
 app.conf.update(
-    broker_transport_options={"schema": SCHEMA},
+    broker_transport_options={"schema": SCHEMA, **NO_IDLE},
     worker_prefetch_multiplier=4,
     worker_hijack_root_logger=False,
 )
@@ -33,10 +32,6 @@ app.conf.update(
 def ev(name: str) -> None:
     with open(TRACE, "a") as f:
         f.write(f"{time.time():.6f} {os.getpid()} {name}\n")
-
-
-if os.environ.get("PROBE_NO_IDLE") == "1":
-    _pacing.IDLE_INLINE_SECONDS = 1e9
 
 
 @app.task(name="lat")

@@ -3,7 +3,8 @@
 With an old snapshot held elsewhere, acked rows at the head of a queue cannot be
 vacuumed and a claim from the head steps over all of them; a consumer whose claim was
 slow resumes after its last message instead, and goes back to the head every
-RESUME_SECONDS (or 20 times the slow claim).
+``resume_seconds`` (or 20 times the slow claim). Here every claim counts as slow and
+the period never ends unless a test moves the consumer's clock (:func:`transport_options`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,11 @@ from psycopg import sql
 from kombu_pgqueue import _pacing
 from kombu_pgqueue._pool import SESSION_SETTINGS
 from kombu_pgqueue._store import Store, new_lease
+
+
+@pytest.fixture
+def transport_options(transport_options: dict[str, object]) -> dict[str, object]:
+    return {**transport_options, "slow_claim_seconds": 0.0, "resume_seconds": 3600.0}
 
 
 def _fill(conn: Connection, queue: str, bodies: list[object], priority: int = 0) -> None:
@@ -43,10 +49,8 @@ def test_store_claim_after_takes_only_later_ids_of_that_priority(
 
 
 def test_a_resuming_consumer_still_delivers_everything_once_with_a_snapshot_held(
-    connection: Connection, dsn: str, monkeypatch: pytest.MonkeyPatch
+    connection: Connection, dsn: str
 ) -> None:
-    monkeypatch.setattr(_pacing, "SLOW_CLAIM_SECONDS", 0.0)  # every claim counts as slow
-    monkeypatch.setattr(_pacing, "RESUME_SECONDS", 3600.0)  # ends only when the test says
     consumer = connection.transport.consumer
     _fill(connection, "snap", list(range(40)))
     with psycopg.connect(dsn) as holder:
@@ -141,10 +145,8 @@ def test_the_resumed_claim_starts_the_index_scan_at_the_position_in_its_generic_
 
 
 def test_a_higher_priority_reaches_a_resumed_consumer_without_waiting_for_the_period(
-    connection: Connection, monkeypatch: pytest.MonkeyPatch
+    connection: Connection,
 ) -> None:
-    monkeypatch.setattr(_pacing, "SLOW_CLAIM_SECONDS", 0.0)  # every claim counts as slow
-    monkeypatch.setattr(_pacing, "RESUME_SECONDS", 3600.0)  # the period never ends here
     consumer = connection.transport.consumer
     consumer.clock.freeze()  # moved by the test only
     _fill(connection, "above", list(range(30)))

@@ -59,6 +59,14 @@ def test_parse_options_reads_strings_as_numbers_and_flags() -> None:
     assert options.prepare_threshold is None
 
 
+def test_pacing_options_take_infinity_to_turn_their_behaviour_off() -> None:
+    options = parse_options({"slow_claim_seconds": "inf", "idle_inline_seconds": float("inf")})
+
+    assert options.slow_claim_seconds == float("inf")  # no claim counts as slow
+    assert options.idle_inline_seconds == float("inf")  # no claim goes inline
+    assert options.resume_seconds == 1.0
+
+
 def test_parse_options_ignores_kombu_retry_policy_keys() -> None:
     options = parse_options({"max_retries": 3, "interval_start": 0, "confirm_publish": True})
 
@@ -71,6 +79,10 @@ def test_parse_options_ignores_kombu_retry_policy_keys() -> None:
         ("visibility_timeout", "soon"),
         ("visibility_timeout", 0.5),
         ("visibility_timeout", -1),
+        ("visibility_timeout", "nan"),
+        ("resume_seconds", -1),
+        ("slow_claim_seconds", "slow"),
+        ("idle_inline_seconds", float("nan")),
         ("polling_interval", 0),
         ("sweep_interval", "x"),
         ("pool_timeout", 0.0),
