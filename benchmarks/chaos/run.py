@@ -95,9 +95,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--paired",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=True,
         help="snapshot: run the same load at the same time in a second database where "
-        "nothing is held, and give each minute of the hold against the control's same minute",
+        "nothing is held, and judge each minute of the hold against the control's same "
+        "minute (the default); --no-paired judges against the before phase alone",
     )
     parser.add_argument("--keep", action="store_true", help="keep the schemas and ledger tables")
     args = parser.parse_args(argv)

@@ -20,18 +20,15 @@ About 35 minutes for both brokers: not part of the per-commit CI.
 
 from __future__ import annotations
 
-import argparse
 import os
-import subprocess
 import sys
-import tarfile
-import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-import psycopg
-from psycopg import sql
-from psycopg.conninfo import conninfo_to_dict, make_conninfo
+from psycopg.conninfo import conninfo_to_dict
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: suite_runner
+import suite_runner  # noqa: E402
 
 FILES = ("test_tasks.py", "test_inspect.py", "test_canvas.py")
 #: fails on pgqueue by design (docs/migrating.md: `celery inspect scheduled`)
@@ -45,23 +42,7 @@ MARKERS += ("flaky", "timeout", "amqp")
 def fetch_suite(cache: Path) -> Path:
     import celery
 
-    version = celery.__version__
-    # only the tests (t/): the sdist's own celery/ beside them would shadow the installed one
-    root = cache / f"celery-{version}-tests"
-    if (root / "t" / "integration").is_dir():
-        return root
-    cache.mkdir(parents=True, exist_ok=True)
-    subprocess.run(
-        [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:"]
-        + ["--dest", str(cache), f"celery=={version}"],
-        check=True,
-    )
-    prefix = f"celery-{version}/t/"
-    with tarfile.open(cache / f"celery-{version}.tar.gz") as archive:
-        members = [m for m in archive.getmembers() if m.name.startswith(prefix)]
-        for member in members:
-            member.name = member.name.removeprefix(f"celery-{version}/")
-        archive.extractall(root, members=members, filter="data")
+    root = suite_runner.sdist_tests("celery", celery.__version__, cache, lambda path: True)
     # the sdist's pytest settings (pyproject.toml), which stayed behind with celery/
     (root / "pytest.ini").write_text(
         "[pytest]\npython_classes = test_*\nxfail_strict = true\nmarkers =\n"
@@ -70,33 +51,14 @@ def fetch_suite(cache: Path) -> Path:
     return root
 
 
-def fresh_database(dsn: str, name: str) -> str:
-    """Drop and create database ``name`` on the server of ``dsn``; return its DSN."""
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute(
-            sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
-        )
-        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-    params = conninfo_to_dict(dsn)
-    params["dbname"] = name
-    return make_conninfo(**params)
-
-
 def run_broker(
     suite: Path, broker: str, broker_url: str, backend: str, out: Path, extra: list[str]
 ) -> Path:
-    report = out / f"{broker}.xml"
     env = dict(os.environ, TEST_BROKER=broker_url, TEST_BACKEND=backend)
-    command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:pgqueue"]
     # registers the pgqueue:// scheme in the test process (the worker runs in it)
-    command += ["-p", "kombu_pgqueue", "-p", "celery.contrib.pytest"]
-    command += ["--junitxml", str(report), "-q", "-o", "addopts="]
-    command += [f"t/integration/{name}" for name in FILES] + extra
-    print(f"\n== {broker}: {' '.join(command[2:])}", flush=True)
-    started = time.monotonic()
-    subprocess.run(command, cwd=suite, env=env, check=False)
-    print(f"== {broker}: {time.monotonic() - started:.0f} s", flush=True)
-    return report
+    args = ["-p", "kombu_pgqueue", "-p", "celery.contrib.pytest"]
+    args += [f"t/integration/{name}" for name in FILES] + extra
+    return suite_runner.run_pytest(suite, broker, args, env, out)
 
 
 def outcomes(report: Path) -> tuple[dict[str, int], set[str]]:
@@ -120,19 +82,11 @@ def outcomes(report: Path) -> tuple[dict[str, int], set[str]]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--brokers", default="pgqueue,amqp")
-    parser.add_argument(
-        "--dsn",
-        default=os.environ.get("PGQUEUE_TEST_DSN")
-        or "host=127.0.0.1 dbname=postgres user=postgres",
-    )
+    parser = suite_runner.parser(__doc__, ".celery-suite")
     parser.add_argument("--amqp", default="pyamqp://guest:guest@127.0.0.1:5672//")
-    parser.add_argument("--cache", type=Path, default=Path(".celery-suite"))
-    parser.add_argument("extra", nargs="*", help="more pytest arguments (after --)")
     args = parser.parse_args()
 
-    missing = [name for name in NEEDS if _missing(name)]
+    missing = suite_runner.missing(NEEDS)
     if missing:
         print(
             f"the suite needs {', '.join(missing)}: pip install pytest-rerunfailures redis "
@@ -143,39 +97,21 @@ def main() -> int:
     suite = fetch_suite(args.cache.resolve())
     out = args.cache.resolve() / "reports"
     out.mkdir(parents=True, exist_ok=True)
-    backend_dsn = fresh_database(args.dsn, "celery_suite_results")
+    backend_dsn = suite_runner.fresh_database(args.dsn, "celery_suite_results")
     backend = "db+postgresql+psycopg://" + _url_tail(backend_dsn)
-    results: dict[str, tuple[dict[str, int], set[str]]] = {}
+    results: dict[str, suite_runner.Outcomes] = {}
     for broker in args.brokers.split(","):
         if broker == "pgqueue":
-            broker_dsn = fresh_database(args.dsn, "celery_suite_broker")
+            broker_dsn = suite_runner.fresh_database(args.dsn, "celery_suite_broker")
             url = "pgqueue+postgresql://" + _url_tail(broker_dsn)
         elif broker == "amqp":
             url = args.amqp
         else:
             parser.error(f"unknown broker {broker!r}: pgqueue or amqp")
-        fresh_database(args.dsn, "celery_suite_results")  # same backend, empty, for each
+        # the same backend, empty, for each
+        suite_runner.fresh_database(args.dsn, "celery_suite_results")
         results[broker] = outcomes(run_broker(suite, broker, url, backend, out, args.extra))
-
-    print("\n== summary")
-    for broker, (counts, failed) in results.items():
-        print(
-            f"{broker}: {counts['passed']} passed, {counts['failed']} failed, "
-            f"{counts['skipped']} skipped"
-        )
-        for test_id in sorted(failed):
-            print(f"  FAILED {test_id}")
-    if any(counts["passed"] + counts["failed"] == 0 for counts, _ in results.values()):
-        print("no tests ran: see the pytest output above", file=sys.stderr)
-        return 2
-    if {"pgqueue", "amqp"} <= results.keys():
-        only = results["pgqueue"][1] - results["amqp"][1]
-        print(f"\nfailing on pgqueue only: {len(only)}")
-        for test_id in sorted(only):
-            note = "  (expected: by design)" if test_id in EXPECTED_PGQUEUE_ONLY else ""
-            print(f"  {test_id}{note}")
-        return 1 if only - EXPECTED_PGQUEUE_ONLY else 0
-    return 1 if any(failed - EXPECTED_PGQUEUE_ONLY for _, failed in results.values()) else 0
+    return suite_runner.compare(results, EXPECTED_PGQUEUE_ONLY)
 
 
 def _url_tail(dsn: str) -> str:
@@ -185,14 +121,6 @@ def _url_tail(dsn: str) -> str:
     host = params.get("host", "127.0.0.1")
     port = params.get("port", "5432")
     return f"{user}@{host}:{port}/{params['dbname']}"
-
-
-def _missing(module: str) -> bool:
-    try:
-        __import__(module)
-    except ImportError:
-        return True
-    return False
 
 
 if __name__ == "__main__":

@@ -22,22 +22,19 @@ Needs RabbitMQ for the comparison (``--amqp-host``/``--amqp-port``, default
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import shutil
-import subprocess
 import sys
-import tarfile
-import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-import psycopg
-from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from kombu_pgqueue.embedded import broker_url
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: suite_runner
+import suite_runner  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 MIXINS = (
@@ -60,61 +57,28 @@ NEEDS = ("pytest_rerunfailures",)
 def fetch_suite(cache: Path) -> Path:
     import kombu
 
-    version = kombu.__version__
-    # only the tests (t/): the sdist's own kombu/ beside them would shadow the installed one
-    root = cache / f"kombu-{version}-tests"
-    if not (root / "t" / "integration" / "common.py").is_file():
-        cache.mkdir(parents=True, exist_ok=True)
-        subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps"]
-            + ["--no-binary", ":all:", "--dest", str(cache), f"kombu=={version}"],
-            check=True,
-        )
-        prefix = f"kombu-{version}/t/"
-        with tarfile.open(cache / f"kombu-{version}.tar.gz") as archive:
-            members = [
-                m
-                for m in archive.getmembers()
-                if m.name.startswith(prefix + "integration/") or m.name == prefix + "__init__.py"
-            ]
-            for member in members:
-                member.name = member.name.removeprefix(f"kombu-{version}/")
-            archive.extractall(root, members=members, filter="data")
-        # the sdist's pytest settings (setup.cfg) name only t/unit: these are the ones that
-        # matter here, with the markers the integration modules use
-        (root / "pytest.ini").write_text(
-            "[pytest]\npython_classes = test_*\nmarkers =\n    env\n    flaky\n"
-        )
+    root = suite_runner.sdist_tests(
+        "kombu",
+        kombu.__version__,
+        cache,
+        lambda path: path.startswith("integration/") or path == "__init__.py",
+    )
+    # the sdist's pytest settings (setup.cfg) name only t/unit: these are the ones that
+    # matter here, with the markers the integration modules use
+    (root / "pytest.ini").write_text(
+        "[pytest]\npython_classes = test_*\nmarkers =\n    env\n    flaky\n"
+    )
     # this project's module, fresh on every run (it changes with this project)
     shutil.copyfile(HERE / "pgqueue_mixins.py", root / "t" / "integration" / "test_pgqueue.py")
     return root
 
 
-def fresh_database(dsn: str, name: str) -> str:
-    """Drop and create database ``name`` on the server of ``dsn``; return its DSN."""
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute(
-            sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
-        )
-        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-    params = conninfo_to_dict(dsn)
-    params["dbname"] = name
-    return make_conninfo(**params)
-
-
 def run_broker(suite: Path, broker: str, env: dict[str, str], out: Path, extra: list[str]) -> Path:
     module, prefix = MODULES[broker]
-    report = out / f"{broker}.xml"
-    command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:pgqueue"]
-    command += ["--junitxml", str(report), "-q", "-o", "addopts=", "-p", "no:randomly"]
     # the classes that subclass a mixin; a module's transport-specific tests are not compared
-    command += [f"t/integration/{module}", "-k", " or ".join(prefix + m for m in MIXINS)]
-    command += extra
-    print(f"\n== {broker}: {' '.join(command[2:])}", flush=True)
-    started = time.monotonic()
-    subprocess.run(command, cwd=suite, env=env, check=False)
-    print(f"== {broker}: {time.monotonic() - started:.0f} s", flush=True)
-    return report
+    args = ["-p", "no:randomly", f"t/integration/{module}"]
+    args += ["-k", " or ".join(prefix + m for m in MIXINS), *extra]
+    return suite_runner.run_pytest(suite, broker, args, env, out)
 
 
 def outcomes(report: Path, prefix: str) -> tuple[dict[str, int], set[str]]:
@@ -135,20 +99,12 @@ def outcomes(report: Path, prefix: str) -> tuple[dict[str, int], set[str]]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    parser.add_argument("--brokers", default="pgqueue,amqp")
-    parser.add_argument(
-        "--dsn",
-        default=os.environ.get("PGQUEUE_TEST_DSN")
-        or "host=127.0.0.1 dbname=postgres user=postgres",
-    )
+    parser = suite_runner.parser(__doc__, ".kombu-suite")
     parser.add_argument("--amqp-host", default="127.0.0.1")
     parser.add_argument("--amqp-port", default="5672")
-    parser.add_argument("--cache", type=Path, default=Path(".kombu-suite"))
-    parser.add_argument("extra", nargs="*", help="more pytest arguments (after --)")
     args = parser.parse_args()
 
-    missing = [name for name in NEEDS if _missing(name)]
+    missing = suite_runner.missing(NEEDS)
     if missing:
         print(
             f"the suite needs {', '.join(missing)}: pip install pytest-rerunfailures "
@@ -159,12 +115,12 @@ def main() -> int:
     suite = fetch_suite(args.cache.resolve())
     out = args.cache.resolve() / "reports"
     out.mkdir(parents=True, exist_ok=True)
-    results: dict[str, tuple[dict[str, int], set[str]]] = {}
+    results: dict[str, suite_runner.Outcomes] = {}
     for broker in args.brokers.split(","):
         if broker == "pgqueue":
             # with its port, which BaseFailover's list needs on every URL (the product
             # refuses a failover list that gives a port on some URLs only)
-            params = conninfo_to_dict(fresh_database(args.dsn, "kombu_suite_broker"))
+            params = conninfo_to_dict(suite_runner.fresh_database(args.dsn, "kombu_suite_broker"))
             url = broker_url(make_conninfo(**{"port": "5432", **params}))
             env = dict(os.environ, PGQUEUE_SUITE_URL=url)
         elif broker == "amqp":
@@ -173,33 +129,7 @@ def main() -> int:
             parser.error(f"unknown broker {broker!r}: pgqueue or amqp")
         report = run_broker(suite, broker, env, out, args.extra)
         results[broker] = outcomes(report, MODULES[broker][1])
-
-    print("\n== summary")
-    for broker, (counts, failed) in results.items():
-        print(
-            f"{broker}: {counts['passed']} passed, {counts['failed']} failed, "
-            f"{counts['skipped']} skipped"
-        )
-        for test_id in sorted(failed):
-            print(f"  FAILED {test_id}")
-    if any(counts["passed"] + counts["failed"] == 0 for counts, _ in results.values()):
-        print("no tests ran: see the pytest output above", file=sys.stderr)
-        return 2
-    if {"pgqueue", "amqp"} <= results.keys():
-        only = results["pgqueue"][1] - results["amqp"][1]
-        print(f"\nfailing on pgqueue only: {len(only)}")
-        for test_id in sorted(only):
-            print(f"  {test_id}")
-        return 1 if only else 0
-    return 1 if any(failed for _, failed in results.values()) else 0
-
-
-def _missing(module: str) -> bool:
-    try:
-        __import__(module)
-    except ImportError:
-        return True
-    return False
+    return suite_runner.compare(results)
 
 
 if __name__ == "__main__":
