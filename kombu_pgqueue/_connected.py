@@ -82,6 +82,48 @@ def _lost(error: Exception) -> bool:
     return sqlstate is None or sqlstate.startswith(("08", "57P"))
 
 
+class CurrentGeneration:
+    """The current generation as this process last read it (statement
+    generation_floor), and whether a snapshot held while it filled has ended.
+
+    While another session holds a snapshot (pg_dump, a long query, a standby's
+    feedback), VACUUM removes none of the rows acked since, and the generation grows
+    with them. When the snapshot ends, VACUUM makes them free space, which the dead
+    rows' count no longer shows: the generation would keep its size until its age
+    rotates it. So a VACUUM that leaves at least a tenth of ``generation_dead_rows``
+    dead rows marks it ``held``, and a later one that leaves under a hundredth asks for
+    two rotations at the shortest interval (:attr:`rotations_due`): the first makes it
+    the previous generation, the second an older one, which the rotation empties once
+    it holds nothing. Under a load that acks a tenth of ``generation_dead_rows`` between
+    a VACUUM's end and the next read (a few seconds), a generation may be taken as held
+    when it was not; it is then rotated sooner than its age says, nothing worse.
+
+    Who writes what: :meth:`note`, on every read of the floor; nothing else.
+    """
+
+    def __init__(self, dead_limit: int) -> None:
+        self._held_rows = max(dead_limit // 10, 1)
+        self._released_rows = dead_limit // 100
+        self.gen = self.size = self.dead = self.vacuums = 0
+        self.held = False
+        #: rotations to take as soon as rotate_interval allows (Store.rotate)
+        self.rotations_due = 0
+
+    def note(self, gen: int, size: int, dead: int, vacuums: int) -> None:
+        if gen != self.gen:
+            if self.gen and self.rotations_due:
+                self.rotations_due -= 1
+            self.gen, self.held = gen, False
+        elif vacuums != self.vacuums:
+            # a VACUUM ended since the last read: what is dead now, it could not remove
+            # (or was acked since it ended)
+            if dead >= self._held_rows:
+                self.held = True
+            elif self.held and dead < self._released_rows:
+                self.held, self.rotations_due = False, 2
+        self.size, self.dead, self.vacuums = size, dead, vacuums
+
+
 class Connected:
     """One pgqueue schema in one database, through this process's shared pool."""
 
@@ -96,9 +138,9 @@ class Connected:
         self._pid = os.getpid()
         self._database: transactions.Database | None = None
         # the oldest generation that may hold a message, as last read (0: all of them),
-        # and the current one's bytes then (Store.rotate)
+        # and what was read of the current one then (Store.rotate)
         self._floor = 0
-        self.current_bytes = 0
+        self.current = CurrentGeneration(options.generation_dead_rows)
         self._floor_read = -FLOOR_READ_SECONDS
 
     @property
@@ -245,7 +287,7 @@ class Connected:
     def _note_floor(self, row: tuple[Any, ...] | None) -> None:
         if row is not None:
             self._floor = max(self._floor, int(row[0]))
-            self.current_bytes = int(row[1] or 0)
+            self.current.note(*(int(v or 0) for v in row[1:5]))
 
     def read_floor(self, *, now: bool = False) -> None:
         """Read :attr:`floor` again if FLOOR_READ_SECONDS have passed (or ``now``: the

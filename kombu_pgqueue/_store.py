@@ -301,10 +301,12 @@ class Store(Connected):
         """The storage's rotation, its steps in turn (function ``rotate``, migration 0012),
         each a transaction of its own; a step returns at once when another process is
         taking one."""
-        # grown past its size (a snapshot held while it filled, then VACUUM made its
-        # dead rows free space, which the dead rows' count no longer shows): the next
-        # generation starts now, and this one's space comes back when it drains
-        oversized = self.current_bytes > self.options.generation_max_bytes
+        # grown past its size, or a snapshot held while it filled has ended (VACUUM made
+        # its dead rows free space, which the dead rows' count no longer shows:
+        # CurrentGeneration): the next generation starts now, and this one's space
+        # comes back when it drains
+        current = self.current
+        oversized = current.size > self.options.generation_max_bytes or current.rotations_due > 0
         params: dict[str, Any] = {
             "channel": self.options.channel,
             "max_age": self.options.rotate_interval

@@ -724,15 +724,25 @@ SELECT
 
 -- name: generation_floor :one
 -- The oldest generation that may hold a message: what the client passes as %(floor)s
--- (see the top) until it reads it again; and the current one's bytes (Store.rotate:
--- when to start a new one).
+-- (see the top) until it reads it again; and the current generation's number, bytes,
+-- dead rows and VACUUMs so far (Store.rotate: when to start the next one; see
+-- _connected.CurrentGeneration). The statistics functions are PUBLIC's, like the
+-- pg_stat_* views built on them.
 SELECT
-    oldest,
-    pg_total_relation_size(to_regclass(format(
-        '%%I.%%I', {schema}.schema_name(),
-        'message_store_' || (SELECT s.last_value FROM {schema}.generation_seq AS s)
-    )))
-FROM {schema}.rotation;
+    r.oldest,
+    c.gen,
+    pg_total_relation_size(c.rel),
+    pg_stat_get_dead_tuples(c.rel),
+    pg_stat_get_vacuum_count(c.rel) + pg_stat_get_autovacuum_count(c.rel)
+FROM {schema}.rotation AS r
+CROSS JOIN LATERAL (
+    SELECT
+        s.last_value AS gen,
+        to_regclass(format(
+            '%%I.%%I', {schema}.schema_name(), 'message_store_' || s.last_value
+        )) AS rel
+    FROM {schema}.generation_seq AS s
+) AS c;
 
 -- name: rotate :one
 -- One step of the storage's rotation, %(step)s, by whichever consumer calls first
