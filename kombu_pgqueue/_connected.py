@@ -90,22 +90,26 @@ class CurrentGeneration:
     feedback), VACUUM removes none of the rows acked since, and the generation grows
     with them. When the snapshot ends, VACUUM makes them free space, which the dead
     rows' count no longer shows: the generation would keep its size until its age
-    rotates it. So a VACUUM that leaves at least a tenth of ``generation_dead_rows``
-    dead rows marks it ``held``, and a later one that leaves under a hundredth asks for
-    two rotations at the shortest interval (:attr:`rotations_due`): the first makes it
-    the previous generation, the second an older one, which the rotation empties once
-    it holds nothing. Under a load that acks a tenth of ``generation_dead_rows`` between
-    a VACUUM's end and the next read (a few seconds), a generation may be taken as held
-    when it was not; it is then rotated sooner than its age says, nothing worse.
+    rotates it. So a VACUUM after which at least a tenth of ``generation_dead_rows``
+    rows are dead marks it ``held``, and a later one after which under a quarter of the
+    most seen then are dead asks for two rotations at the shortest interval
+    (:attr:`rotations_due`): the first makes it the previous generation, the second an
+    older one, which the rotation empties once it holds nothing.
+
+    The count is read after the VACUUM, so it also holds the rows acked since it ended
+    (up to a few seconds' worth): a generation of a busy queue may be taken as held
+    when it was not, and then rotated sooner than its age says, nothing worse; the
+    quarter of the peak leaves room for the acks of a busy queue after a VACUUM that
+    did remove the held rows.
 
     Who writes what: :meth:`note`, on every read of the floor; nothing else.
     """
 
     def __init__(self, dead_limit: int) -> None:
         self._held_rows = max(dead_limit // 10, 1)
-        self._released_rows = dead_limit // 100
         self.gen = self.size = self.dead = self.vacuums = 0
-        self.held = False
+        #: the most dead rows seen after a VACUUM while held (0: not held)
+        self.held = 0
         #: rotations to take as soon as rotate_interval allows (Store.rotate)
         self.rotations_due = 0
 
@@ -113,14 +117,14 @@ class CurrentGeneration:
         if gen != self.gen:
             if self.gen and self.rotations_due:
                 self.rotations_due -= 1
-            self.gen, self.held = gen, False
+            self.gen, self.held = gen, 0
         elif vacuums != self.vacuums:
             # a VACUUM ended since the last read: what is dead now, it could not remove
             # (or was acked since it ended)
-            if dead >= self._held_rows:
-                self.held = True
-            elif self.held and dead < self._released_rows:
-                self.held, self.rotations_due = False, 2
+            if dead >= max(self._held_rows, self.held // 4):
+                self.held = max(self.held, dead)
+            elif self.held:
+                self.held, self.rotations_due = 0, 2
         self.size, self.dead, self.vacuums = size, dead, vacuums
 
 

@@ -264,7 +264,7 @@ def test_a_generation_a_snapshot_kept_from_vacuum_starts_the_next_once_the_snaps
     left few: the next generation starts at the next rotation, and this one is emptied
     when it drains (a 30-second dump left 45 MB behind for 10 minutes without this)."""
     # a rotation every 0.1 s at most, every hour by age, and at 3,000 dead rows (never
-    # here); "many" dead rows after a VACUUM is 300, "few" under 30
+    # here); "many" dead rows after a VACUUM is 300, "few" under a quarter of the most
     conn = make_connection(generation_max_age=3600, rotate_interval=0.1, generation_dead_rows=3000)
     Queue(QUEUE, channel=conn.default_channel).declare()
     store = _store(conn)
