@@ -377,8 +377,13 @@ class Wakeups:
         """A claim from ``queue`` (or a handoff) was delivered. Unless it may have left
         ``more`` (a full batch, a full window, a claim of part of the queue) or news
         came while it was in flight, the queue is drained: no longer pending. Watched
-        only while drained (see Listener.turn): ``backlog`` says it holds more."""
-        if not more and self._news_at.get(queue, 0) <= self._sent_at.get(queue, 0):
+        only while drained (see Listener.turn): ``backlog`` says it holds more, or
+        fills the window, and keeps it pending, so that it is claimed again as the
+        window opens (a handoff that filled the window made it no news: without this
+        it was neither watched nor pending, and heard of nothing until the poll)."""
+        if backlog:
+            self.pending.add(queue)
+        elif not more and self._news_at.get(queue, 0) <= self._sent_at.get(queue, 0):
             self.pending.discard(queue)
         if self.listener is not None:
             pending = queue in self.pending

@@ -307,6 +307,38 @@ def test_in_an_event_loop_a_burst_is_handed_off_up_to_the_window_and_claimed_aft
     assert counted["claimed"] == counted["handbacks"]
 
 
+def test_a_window_filled_by_handoffs_is_claimed_again_as_it_opens(
+    connection: Connection, make_connection: Callable[..., Connection], hub
+) -> None:
+    """A worker (prefetch 2) in an event loop is handed two messages, which fill its
+    window: it stops waiting for publishes while full. Once it acks them, the next
+    message reaches it at once, not at the safety poll (an hour here). Found by Celery's
+    own test_expired: a task that expires in 1 s behind four others waited 5 s for the
+    poll and was dropped as expired, never revoked by the worker."""
+    worker = make_connection(polling_interval=HOUR)
+    worker.transport.register_with_event_loop(worker.connection, hub)
+    got: list[Message] = []
+    Consumer(
+        worker,
+        [Queue("hw")],
+        callbacks=[lambda body, message: got.append(message)],
+        prefetch_count=2,
+    ).consume()
+    hub.run_until(lambda: "hw" not in worker.transport.consumer.pending, 10, "the first claim")
+    before = _counts("hw")
+    producer = Producer(connection)
+    for i in range(2):
+        producer.publish(i, routing_key="hw")
+    hub.run_until(lambda: len(got) == 2, 10, "two handoffs")
+    assert _since(before, "hw")["handoffs"] == 2
+
+    for message in got:
+        message.ack()
+    producer.publish(2, routing_key="hw")
+    hub.run_until(lambda: len(got) == 3, 10, "the message published after the acks")
+    assert [m.decode() for m in got] == [0, 1, 2]
+
+
 def test_a_message_with_a_dedup_key_is_handed_off_and_a_replacement_too(
     connection: Connection, make_connection: Callable[..., Connection], db, schema: str
 ) -> None:
