@@ -51,6 +51,23 @@ def _settle(worker: Connection) -> None:
     worker.transport.consumer.deliver_pending(inline=True)
 
 
+def _waiting_in_loop(
+    make_connection: Callable[..., Connection],
+    hub: Any,
+    queue: str,
+    prefetch: int,
+    callback: Callable[[Any, Message], object],
+) -> Connection:
+    """A worker in ``hub``'s event loop consuming ``queue`` within a window of
+    ``prefetch``, after its first claim (it found the queue empty and waits for
+    publishes); no safety poll within the test (an hour)."""
+    worker = make_connection(polling_interval=HOUR)
+    worker.transport.register_with_event_loop(worker.connection, hub)
+    Consumer(worker, [Queue(queue)], callbacks=[callback], prefetch_count=prefetch).consume()
+    hub.run_until(lambda: queue not in worker.transport.consumer.pending, 10, "the first claim")
+    return worker
+
+
 @contextmanager
 def _one_handoff(worker: Connection, connection: Connection) -> Iterator[list[Message]]:
     """``worker`` consumes queue "h" and waits; one message ("x") published then is
@@ -272,17 +289,15 @@ def test_in_an_event_loop_a_burst_is_handed_off_up_to_the_window_and_claimed_aft
     arrive at once, all handed off to it. It delivers what its window takes, hands back
     the rest at once, and claims them as it acks: each delivered once, none waiting for
     the safety poll."""
-    worker = make_connection(polling_interval=HOUR)
-    worker.transport.register_with_event_loop(worker.connection, hub)
     got: list[int] = []
     unacked: list[Message] = []
-    Consumer(
-        worker,
-        [Queue("hl")],
-        callbacks=[lambda body, message: (got.append(body), unacked.append(message))],
-        prefetch_count=4,
-    ).consume()
-    hub.run_until(lambda: "hl" not in worker.transport.consumer.pending, 10, "the first claim")
+    _waiting_in_loop(
+        make_connection,
+        hub,
+        "hl",
+        4,
+        lambda body, message: (got.append(body), unacked.append(message)),
+    )
     before = _counts("hl")
     producer = Producer(connection)
     for i in range(30):
@@ -315,16 +330,8 @@ def test_a_window_filled_by_handoffs_is_claimed_again_as_it_opens(
     message reaches it at once, not at the safety poll (an hour here). Found by Celery's
     own test_expired: a task that expires in 1 s behind four others waited 5 s for the
     poll and was dropped as expired, never revoked by the worker."""
-    worker = make_connection(polling_interval=HOUR)
-    worker.transport.register_with_event_loop(worker.connection, hub)
     got: list[Message] = []
-    Consumer(
-        worker,
-        [Queue("hw")],
-        callbacks=[lambda body, message: got.append(message)],
-        prefetch_count=2,
-    ).consume()
-    hub.run_until(lambda: "hw" not in worker.transport.consumer.pending, 10, "the first claim")
+    _waiting_in_loop(make_connection, hub, "hw", 2, lambda body, message: got.append(message))
     before = _counts("hw")
     producer = Producer(connection)
     for i in range(2):
