@@ -107,7 +107,7 @@ class CurrentGeneration:
 
     def __init__(self, dead_limit: int) -> None:
         self._held_rows = max(dead_limit // 10, 1)
-        self.gen = self.size = self.dead = self.vacuums = 0
+        self.gen = self.size = self.vacuums = 0
         #: the most dead rows seen after a VACUUM while held (0: not held)
         self.held = 0
         #: rotations to take as soon as rotate_interval allows (Store.rotate)
@@ -125,7 +125,7 @@ class CurrentGeneration:
                 self.held = max(self.held, dead)
             elif self.held:
                 self.held, self.rotations_due = 0, 2
-        self.size, self.dead, self.vacuums = size, dead, vacuums
+        self.size, self.vacuums = size, vacuums
 
 
 class Connected:

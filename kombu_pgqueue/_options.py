@@ -86,12 +86,12 @@ class Options:
 def _number(name: str, value: Any, *, minimum: float, integer: bool = False) -> Any:
     try:
         number = int(value) if integer else float(value)
+        if number != number:  # NaN compares false with everything, limits included
+            raise ValueError(value)
     except (TypeError, ValueError):
         raise ConfigurationError(
             f"transport option {name!r} must be a number, got {value!r}"
         ) from None
-    if number != number:  # NaN compares false with everything, limits included
-        raise ConfigurationError(f"transport option {name!r} must be a number, got {value!r}")
     if number < minimum:
         raise ConfigurationError(
             f"transport option {name!r} must be at least {minimum}, got {value!r}"

@@ -12,6 +12,10 @@ from waiting import wait_for
 
 from kombu_pgqueue import admin
 
+#: transport options under which every claim counts as slow (it resumes after its last
+#: message) and the period of resuming never ends within a test
+ALWAYS_RESUMED = {"slow_claim_seconds": 0.0, "resume_seconds": 3600.0}
+
 
 def open_gate(conn: psycopg.Connection, schema: str, name: str, *, table: str = "gate") -> None:
     """Open gate ``name``: a row in ``schema.table`` (``name text PRIMARY KEY``); again: no-op."""

@@ -96,7 +96,7 @@ def consumer(
     conn.release()
     if record and seen:
         with psycopg.connect(dsn, autocommit=True) as db, db.cursor() as cur:
-            table = sql.Identifier("chaos_ledger", f"{run_id}_load")
+            table = ledger.load_table(run_id)
             with cur.copy(sql.SQL("COPY {} (p, s) FROM STDIN").format(table)) as cp:
                 for row in seen:
                     cp.write_row(row)
@@ -168,11 +168,7 @@ def load(ctx: Context, rate: float, vacuum_every: float) -> Result:
     n_prod = n_cons = 16
     mp = multiprocessing.get_context("spawn")
     with ctx.run("load") as run, run.connect() as conn:
-        conn.execute(
-            sql.SQL("CREATE TABLE {} (p int NOT NULL, s int NOT NULL)").format(
-                sql.Identifier("chaos_ledger", f"{run.run_id}_load")
-            )
-        )
+        ledger.create_load_table(conn, run.run_id)
         start_stats = procs.table_stats(conn, run.schema)
         stop_prod, stop_cons = mp.Event(), mp.Event()
         results = mp.Queue()
@@ -226,24 +222,16 @@ def load(ctx: Context, rate: float, vacuum_every: float) -> Result:
         published = sum(r[2] - len(r[3]) for r in prods)
         failed = sum(len(r[3]) for r in prods)
         failed_keys = {(r[1], s) for r in prods for s in r[3]}
-        table = sql.Identifier("chaos_ledger", f"{run.run_id}_load")
-        rows = ledger.count(conn, sql.SQL("SELECT count(*) FROM {}").format(table))
-        distinct = ledger.count(
-            conn, sql.SQL("SELECT count(*) FROM (SELECT DISTINCT p, s FROM {}) d").format(table)
-        )
         expected = {(r[1], s) for r in prods for s in range(r[2])} - failed_keys
-        got = {
-            (p, s) for p, s in conn.execute(sql.SQL("SELECT DISTINCT p, s FROM {}").format(table))
-        }
-        lost = len(expected - got)
+        counted = ledger.tally(conn, run.run_id, expected)
         claims, e2e = _merge(cons, 1), _merge(cons, 2)
         seconds = run.elapsed()
         ok = (
             drained
             and len(prods) == n_prod
             and len(cons) == n_cons
-            and lost == 0
-            and rows == distinct
+            and counted.lost == 0
+            and counted.duplicated == 0
             and not failed
         )
         result = Result("load", ok, seconds=seconds)
@@ -252,11 +240,11 @@ def load(ctx: Context, rate: float, vacuum_every: float) -> Result:
             ("duration (s) / target publish rate (msg/s)", f"{minutes * 60:.0f} / {rate:.0f}"),
             ("published (believed)", published),
             ("publishes that raised", failed),
-            ("consumed (rows)", rows),
-            ("consumed (distinct)", distinct),
-            ("lost", lost),
-            ("executed more than once", rows - distinct),
-            ("unexpected (consumed, never published)", len(got - expected)),
+            ("consumed (rows)", counted.rows),
+            ("consumed (distinct)", counted.distinct),
+            ("lost", counted.lost),
+            ("executed more than once", counted.duplicated),
+            ("unexpected (consumed, never published)", counted.unexpected),
             (
                 "VACUUM of the message table every (s), autovacuum is off here",
                 vacuum_every or "never",

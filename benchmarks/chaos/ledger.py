@@ -72,7 +72,7 @@ def create(conn: psycopg.Connection, run: str) -> None:
 
 def drop(conn: psycopg.Connection, run: str) -> None:
     # and the load scenario's table of consumed messages
-    for table in [*tables(run).values(), sql.Identifier(LEDGER_SCHEMA, f"{run}_load")]:
+    for table in [*tables(run).values(), load_table(run)]:
         conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(table))
 
 
@@ -100,6 +100,39 @@ def record_event(
         ).format(tables(run)["event"]),
         (at, kind, worker, pid),
     )
+
+
+def load_table(run: str) -> sql.Identifier:
+    """``"<run>_load"``: one row (p, s) per message a Kombu consumer of the load and
+    snapshot scenarios took (producer or kind, sequence number)."""
+    return sql.Identifier(LEDGER_SCHEMA, f"{run}_load")
+
+
+def create_load_table(conn: psycopg.Connection, run: str) -> None:
+    table = load_table(run)
+    conn.execute(sql.SQL("CREATE TABLE {} (p int NOT NULL, s int NOT NULL)").format(table))
+
+
+@dataclass
+class Tally:
+    """The load table against what was published: rows, distinct (p, s), and the keys
+    never consumed (lost) and consumed but never published (unexpected)."""
+
+    rows: int
+    distinct: int
+    lost: int
+    unexpected: int
+
+    @property
+    def duplicated(self) -> int:
+        return self.rows - self.distinct
+
+
+def tally(conn: psycopg.Connection, run: str, expected: set[tuple[int, int]]) -> Tally:
+    table = load_table(run)
+    rows = count(conn, sql.SQL("SELECT count(*) FROM {}").format(table))
+    got = {(p, s) for p, s in conn.execute(sql.SQL("SELECT DISTINCT p, s FROM {}").format(table))}
+    return Tally(rows, len(got), len(expected - got), len(got - expected))
 
 
 def count(conn: psycopg.Connection, query: sql.Composable, params: tuple[Any, ...] = ()) -> int:

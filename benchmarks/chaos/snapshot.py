@@ -269,10 +269,7 @@ def snapshot(ctx: Context, vacuum_every: float, kind: str = "dump", paired: bool
     # size 60 s after the hold
     before = after = 60.0
     with ctx.run("snapshot") as run, run.connect() as conn:
-        ledger_table = sql.Identifier("chaos_ledger", f"{run.run_id}_load")
-        conn.execute(
-            sql.SQL("CREATE TABLE {} (p int NOT NULL, s int NOT NULL)").format(ledger_table)
-        )
+        ledger.create_load_table(conn, run.run_id)
         loads = {"held": Load(ctx.dsn, run.schema, run.run_id, vacuum_every, record=True)}
         control_dsn = None
         if paired:
@@ -380,11 +377,9 @@ def snapshot(ctx: Context, vacuum_every: float, kind: str = "dump", paired: bool
         ]
         size_ratio = sizes["after"] / sizes["before"] if sizes["before"] else float("nan")
         # every message published (the backlog's, numbered, and the probes) consumed once
-        rows = ledger.count(conn, sql.SQL("SELECT count(*) FROM {}").format(ledger_table))
-        got = set(conn.execute(sql.SQL("SELECT DISTINCT p, s FROM {}").format(ledger_table)))
         expected = {(0, k) for k in range(held.published.value)}
         expected |= {(1, k) for k in range(held.probes_sent[0])}
-        lost, duplicated, unexpected = len(expected - got), rows - len(got), len(got - expected)
+        counted = ledger.tally(conn, run.run_id, expected)
         # measured alone, against the before phase: with nothing held these fail on the
         # machine's own drift and on the storage still filling (benchmarks/HISTORY.md,
         # 2026-11-28 16:51); paired, they are shown but the control's targets decide
@@ -395,7 +390,7 @@ def snapshot(ctx: Context, vacuum_every: float, kind: str = "dump", paired: bool
         targets = {
             "priority-9 probe during the hold within 1 s": bool(during) and max(during) <= 1.0,
             "0 lost, 0 duplicated, all consumed within 2 min of the end": (
-                drained and lost == 0 and duplicated == 0 and unexpected == 0
+                drained and counted.lost == counted.duplicated == counted.unexpected == 0
             ),
         }
         if not paired:
@@ -458,8 +453,11 @@ def snapshot(ctx: Context, vacuum_every: float, kind: str = "dump", paired: bool
             ),
         ]
         result.measures += [
-            ("published (backlog + probes) / consumed (rows)", f"{len(expected)} / {rows}"),
-            ("lost / duplicated / never published", f"{lost} / {duplicated} / {unexpected}"),
+            ("published (backlog + probes) / consumed (rows)", f"{len(expected)} / {counted.rows}"),
+            (
+                "lost / duplicated / never published",
+                f"{counted.lost} / {counted.duplicated} / {counted.unexpected}",
+            ),
         ]
         result.measures += [(f"target: {k}", "PASS" if v else "FAIL") for k, v in targets.items()]
         if paired:

@@ -272,23 +272,24 @@ def test_a_generation_a_snapshot_kept_from_vacuum_starts_the_next_once_the_snaps
     held = _current(db, schema)
     vacuum = sql.SQL("VACUUM {}").format(sql.Identifier(schema, f"message_store_{held}"))
 
-    def vacuumed(flag: str) -> bool:
-        # statistics of the acks may reach the server after a VACUUM: again until seen
+    def vacuumed() -> Any:
+        """The current generation as read after a VACUUM (statistics of the acks may
+        reach the server after one: the callers wait for what they expect)."""
         db.execute(vacuum)
         store.read_floor(now=True)
-        return bool(store.current.held) if flag == "held" else store.current.rotations_due > 0
+        return store.current
 
     holder.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
     holder.execute("SELECT 1")  # the snapshot, older than the acks to come
     _publish(conn, 400)
     assert len(_drain(conn)) == 400
-    wait_for(lambda: vacuumed("held"), 30, "a VACUUM that leaves the acked rows dead")
+    wait_for(lambda: vacuumed().held, 30, "a VACUUM that leaves the acked rows dead")
     _rotation_due(db, schema)
     store.rotate()
     assert _current(db, schema) == held  # still held: its space cannot come back yet
 
     holder.rollback()  # the snapshot ends
-    wait_for(lambda: vacuumed("released"), 30, "a VACUUM that removes the acked rows")
+    wait_for(lambda: vacuumed().rotations_due, 30, "a VACUUM that removes the acked rows")
     _rotation_due(db, schema)
     store.rotate()
     assert _current(db, schema) > held  # started because the snapshot ended, not for age

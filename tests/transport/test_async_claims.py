@@ -21,6 +21,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from helpers import ALWAYS_RESUMED
 from kombu import Connection, Consumer, Producer, Queue
 from kombu.asynchronous import Hub
 from wire_faults import AnswerSplitter
@@ -29,8 +30,6 @@ from kombu_pgqueue import _pacing
 from kombu_pgqueue._store import Store
 
 QUIET = {"polling_interval": 30}
-#: every claim counts as slow, and the period of resuming never ends in a test
-ALWAYS_RESUMED = {"slow_claim_seconds": 0.0, "resume_seconds": 3600.0}
 
 
 def _fill(conn: Connection, queue: str, n: int) -> None:

@@ -14,6 +14,7 @@ import time
 
 import psycopg
 import pytest
+from helpers import ALWAYS_RESUMED
 from kombu import Connection, Consumer, Producer, Queue
 from kombu.message import Message
 from psycopg import sql
@@ -25,7 +26,7 @@ from kombu_pgqueue._store import Store, new_lease
 
 @pytest.fixture
 def transport_options(transport_options: dict[str, object]) -> dict[str, object]:
-    return {**transport_options, "slow_claim_seconds": 0.0, "resume_seconds": 3600.0}
+    return {**transport_options, **ALWAYS_RESUMED}
 
 
 def _fill(conn: Connection, queue: str, bodies: list[object], priority: int = 0) -> None:
