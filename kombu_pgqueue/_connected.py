@@ -7,6 +7,7 @@ adds one typed method per statement.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
@@ -102,10 +103,13 @@ class CurrentGeneration:
     quarter of the peak leaves room for the acks of a busy queue after a VACUUM that
     did remove the held rows.
 
-    Who writes what: :meth:`note`, on every read of the floor; nothing else.
+    Who writes what: :meth:`note`, on every read of the floor, under its lock: the
+    floor is read by whichever thread's statement finds it old (the consuming thread,
+    the lease keeper, the ack batcher) and by the rotation's thread (:mod:`._rotator`).
     """
 
     def __init__(self, dead_limit: int) -> None:
+        self._lock = threading.Lock()
         self._held_rows = max(dead_limit // 10, 1)
         self.gen = self.size = self.vacuums = 0
         #: the most dead rows seen after a VACUUM while held (0: not held)
@@ -114,6 +118,10 @@ class CurrentGeneration:
         self.rotations_due = 0
 
     def note(self, gen: int, size: int, dead: int, vacuums: int) -> None:
+        with self._lock:
+            self._note(gen, size, dead, vacuums)
+
+    def _note(self, gen: int, size: int, dead: int, vacuums: int) -> None:
         if gen != self.gen:
             if self.gen and self.rotations_due:
                 self.rotations_due -= 1

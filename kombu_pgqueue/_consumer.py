@@ -3,7 +3,8 @@
 Four parts, arrows only downward (docs/architecture.md):
 - this Consumer: the subscriptions (queue -> the channel that consumes it, a
   :class:`~._pacing.Sink`), each channel's claims in flight and pacing
-  (:mod:`._pacing`), the safety poll, sweep and rotation times; it hands typed
+  (:mod:`._pacing`), the safety poll and sweep times, and the
+  :class:`~._rotator.Rotator`'s thread (started with the first subscription); it hands typed
   :class:`~.records.Delivery` records up through one callable (the transport turns
   them into Kombu's payloads);
 - :class:`~._wakeups.Wakeups`: the LISTEN session and what it, the poll and the claims
@@ -26,17 +27,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import psycopg
-
 from . import _counters
 from ._claimer import Claimer
 from ._handoffs import late
 from ._options import Options
 from ._pacing import Clock, Pacing, Plan, Sink
+from ._rotator import Rotator
 from ._settler import Settler
 from ._store import Store, new_lease
 from ._wakeups import Wakeups
-from .exceptions import PgQueueError
 from .records import Buried, ClaimRequest, ClaimResult, Delivery
 
 Deliver = Callable[[Delivery], None]
@@ -81,8 +80,7 @@ class Consumer:
         self._last_delivery = 0.0
         self._next_poll = 0.0
         self._next_sweep = 0.0
-        self._next_rotation = 0.0
-        self._rotation_failures: set[str] = set()
+        self._rotator = Rotator(lambda: self.store, options.rotate_interval)
 
     def reopen(self) -> None:
         """The transport connected again (after a close): ack in batches again."""
@@ -102,6 +100,7 @@ class Consumer:
         self.wakeups.watch(queue, no_ack)
         self.poll_soon()  # its delayed messages' due times
         self.settler.keep_leases()
+        self._rotator.start()
 
     def unsubscribe(self, queue: str, sink: Sink) -> None:
         sub = self._subs.get(queue)
@@ -374,7 +373,7 @@ class Consumer:
         self._pacing.reset()
         self._inflight.clear()
 
-    # -- the safety poll, sweep and rotation ----------------------------------------------
+    # -- the safety poll and sweep -----------------------------------------------------
 
     @property
     def poll_due(self) -> float:
@@ -401,28 +400,7 @@ class Consumer:
         if now >= self._next_sweep:
             self._next_sweep = now + self.options.sweep_interval
             self.store.sweep()
-        if now >= self._next_rotation:
-            self._next_rotation = now + self.options.rotate_interval
-            self._rotate()
         return self.wakeups.note_due(next_due)
-
-    def _rotate(self) -> None:
-        """A step of the storage's rotation. It must never stop a worker: a failure
-        (a role without the grant on function rotate, a statement timeout) is logged,
-        once per kind, and the next step is tried again later."""
-        try:
-            self.store.rotate()
-        except (psycopg.Error, PgQueueError) as exc:
-            kind = type(exc).__name__
-            if kind not in self._rotation_failures:
-                self._rotation_failures.add(kind)
-                logger.warning(
-                    "pgqueue: the storage's rotation failed (%s: %s); messages are safe, "
-                    "but a snapshot held meanwhile keeps space until it succeeds. "
-                    "docs/operations.md, 'Vacuum and bloat', says what it needs",
-                    kind,
-                    exc,
-                )
 
     # -- shutdown --------------------------------------------------------------------------
 
@@ -432,4 +410,5 @@ class Consumer:
         handed = self.wakeups.close()  # handed off, undelivered: back at once
         self.settler.release([(handoff.row.id, handoff.lease) for handoff in handed])
         self.settler.close()
+        self._rotator.stop()
         self.stop_claimer()

@@ -410,6 +410,36 @@ def test_a_dedup_key_holds_across_generations(
     assert _store(rotating).size(QUEUE) == 1
 
 
+def test_the_storage_rotates_while_the_consuming_thread_runs_a_long_task(
+    make_connection: Callable[..., Connection], db: psycopg.Connection, schema: str
+) -> None:
+    """Celery's solo pool runs a task in the consuming thread, for as long as it takes:
+    the rotation goes on meanwhile (on a thread of its own, like the lease renewals),
+    so that an hour's task does not leave an hour of acks in one generation."""
+    conn = make_connection(rotate_interval=0.1, generation_max_age=0, polling_interval=0.2)
+    Queue(QUEUE, channel=conn.default_channel).declare()
+    _publish(conn, 1)
+    seen: list[int] = []
+
+    def long_task(body: Any, message: Any) -> None:
+        first = _current(db, schema)
+        # the consuming thread is here until the storage has moved on twice
+        seen.append(
+            wait_for(
+                lambda: (g := _current(db, schema)) >= first + 2 and g,
+                30,
+                "two rotations while the task runs",
+                details=lambda: _generations(db, schema),
+            )
+        )
+        message.ack()
+
+    with Consumer(conn, [Queue(QUEUE)], callbacks=[long_task]):
+        conn.drain_events(timeout=30)
+
+    assert len(seen) == 1
+
+
 def _previous_publish(db: psycopg.Connection, schema: str, i: int, key: str | None = None) -> None:
     """A publish as the previous version sends it: into table message, its dedup keys
     kept by the table's unique index."""
