@@ -77,7 +77,16 @@ def listening(conninfo: str, options: Options) -> psycopg.Connection:
 #: No JIT: the broker's statements are short, and the cost that enable_seqscan = off
 #: puts on a scan with no alternative crosses jit_above_cost, so a 100-row count took
 #: 100 ms of which JIT compiling was 99.
-SESSION_SETTINGS = "SET enable_seqscan = off; SET jit = off"
+#: Generic plans: each statement is planned once per session, not at every execution.
+#: The statements are prepared (prepare_threshold) and written so that their values
+#: never change the plan (index conditions; the generations pruned by %(floor)s as the
+#: executor starts), but the planner, costing a generic plan over every generation of
+#: the partitioned storage, preferred to plan each execution anew: a batch of 8 acks
+#: cost the server 26-34 us of CPU a message, 9-10 planned once; a claim of 8,
+#: 66-81 us against 55-73 (benchmarks/probes/message_cost.py --batch 8).
+SESSION_SETTINGS = (
+    "SET enable_seqscan = off; SET jit = off; SET plan_cache_mode = force_generic_plan"
+)
 
 
 def statement_timeout(options: Options) -> sql.Composed:
