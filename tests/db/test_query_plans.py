@@ -6,6 +6,7 @@ ANALYZE, then ``EXPLAIN (FORMAT JSON)`` of each statement as the store sends it.
 
 from __future__ import annotations
 
+import re
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -15,10 +16,11 @@ from typing import Any
 import plans
 import psycopg
 import pytest
-from psycopg import sql
+from psycopg import ClientCursor, sql
 
 from kombu_pgqueue import migrate
 from kombu_pgqueue._options import parse_options
+from kombu_pgqueue._pool import SESSION_SETTINGS
 from kombu_pgqueue._sql import queries
 from kombu_pgqueue._store import Outgoing, Store
 
@@ -64,12 +66,52 @@ def loaded(dsn: str) -> Iterator[tuple[psycopg.Connection, str, datetime]]:
 
 
 def _explain(
-    conn: psycopg.Connection, schema: str, name: str, params: dict[str, Any]
+    conn: psycopg.Connection,
+    schema: str,
+    name: str,
+    params: dict[str, Any],
+    *,
+    generic: bool = False,
 ) -> list[dict[str, Any]]:
-    query = sql.SQL("EXPLAIN (FORMAT JSON) ") + queries(schema)[name]
-    row = conn.execute(query, params).fetchone()
+    """The plan of statement ``name`` for ``params``: planned for these values, or
+    (``generic``) the generic plan that the broker's own sessions run (they plan each
+    prepared statement once: SESSION_SETTINGS), in a session of those settings."""
+    if not generic:
+        query = sql.SQL("EXPLAIN (FORMAT JSON) ") + queries(schema)[name]
+        row = conn.execute(query, params).fetchone()
+    else:
+        row = _explain_generic(conn, queries(schema)[name], params)
     assert row is not None
     return list(plans.nodes(row[0][0]["Plan"]))
+
+
+def _explain_generic(
+    conn: psycopg.Connection, query: sql.Composable, params: dict[str, Any]
+) -> tuple[Any, ...] | None:
+    """PREPARE the statement with $n for each %(name)s, EXPLAIN EXECUTE it with the
+    values as literals, in a new session with the broker's settings."""
+    names: list[str] = []
+
+    def placeholder(match: re.Match[str]) -> str:
+        if match[1] not in names:
+            names.append(match[1])
+        return f"${names.index(match[1]) + 1}"
+
+    text = re.sub(r"%\((\w+)\)s", placeholder, query.as_string(conn)).replace("%%", "%")
+    with psycopg.connect(conn.info.dsn, autocommit=True) as session:
+        session.execute(SESSION_SETTINGS)
+        session.execute(f"PREPARE plan_check AS {text}")  # type: ignore[arg-type]
+        values = ", ".join(["%s"] * len(names))
+        explain = f"EXPLAIN (FORMAT JSON) EXECUTE plan_check({values})"
+        row = ClientCursor(session).execute(explain, [params[n] for n in names]).fetchone()  # type: ignore[arg-type]
+        # planned for no values (without plan_cache_mode, the first five executions of
+        # a prepared statement are planned for theirs)
+        kinds = session.execute(
+            "SELECT generic_plans, custom_plans FROM pg_prepared_statements"
+            " WHERE name = 'plan_check'"
+        ).fetchone()
+        assert kinds == (1, 0), kinds
+    return row
 
 
 def _params(name: str, now: datetime) -> dict[str, Any]:
@@ -113,38 +155,41 @@ def _params(name: str, now: datetime) -> dict[str, Any]:
     }[name]
 
 
+@pytest.mark.parametrize("generic", [False, True], ids=["custom", "generic"])
 @pytest.mark.parametrize("name", ["claim", "take"])
 def test_claim_uses_the_ready_index_and_no_seq_scan(
-    loaded: tuple[psycopg.Connection, str, datetime], name: str
+    loaded: tuple[psycopg.Connection, str, datetime], name: str, generic: bool
 ) -> None:
     conn, schema, now = loaded
 
-    nodes = _explain(conn, schema, name, _params(name, now))
+    nodes = _explain(conn, schema, name, _params(name, now), generic=generic)
 
     assert plans.seq_scans(conn, nodes) == []
     assert "message_store_ready_idx" in plans.indexes(conn, nodes)
 
 
+@pytest.mark.parametrize("generic", [False, True], ids=["custom", "generic"])
 @pytest.mark.parametrize("name", ["ack", "ack_many", "renew", "requeue", "bury"])
 def test_per_message_statements_find_rows_by_primary_key(
-    loaded: tuple[psycopg.Connection, str, datetime], name: str
+    loaded: tuple[psycopg.Connection, str, datetime], name: str, generic: bool
 ) -> None:
     conn, schema, now = loaded
 
-    nodes = _explain(conn, schema, name, _params(name, now))
+    nodes = _explain(conn, schema, name, _params(name, now), generic=generic)
 
     assert plans.seq_scans(conn, nodes) == []
     assert "message_store_pkey" in plans.indexes(conn, nodes)
 
 
+@pytest.mark.parametrize("generic", [False, True], ids=["custom", "generic"])
 def test_poll_with_due_delayed_messages_has_no_seq_scan(
-    loaded: tuple[psycopg.Connection, str, datetime],
+    loaded: tuple[psycopg.Connection, str, datetime], generic: bool
 ) -> None:
     # every consumer runs the poll every polling_interval; with any delayed message
     # due it must not read the whole message table to promote a handful of rows
     conn, schema, now = loaded
 
-    nodes = _explain(conn, schema, "poll", _params("poll", now))
+    nodes = _explain(conn, schema, "poll", _params("poll", now), generic=generic)
 
     assert plans.seq_scans(conn, nodes) == []
     assert "message_store_due_idx" in plans.indexes(conn, nodes)
@@ -176,9 +221,10 @@ def believed_empty(dsn: str) -> Iterator[tuple[psycopg.Connection, str, datetime
         yield conn, schema, now
 
 
+@pytest.mark.parametrize("generic", [False, True], ids=["custom", "generic"])
 @pytest.mark.parametrize("name", ["claim", "take", "ack_many", "renew", "release"])
 def test_statements_joining_a_list_of_ids_reach_it_by_key_whatever_the_estimate(
-    believed_empty: tuple[psycopg.Connection, str, datetime], name: str
+    believed_empty: tuple[psycopg.Connection, str, datetime], name: str, generic: bool
 ) -> None:
     conn, schema, now = believed_empty
     params = _params("renew" if name == "release" else name, now)
@@ -187,7 +233,7 @@ def test_statements_joining_a_list_of_ids_reach_it_by_key_whatever_the_estimate(
         params["channel"] = "c"
         params["uncount"] = True
 
-    nodes = _explain(conn, schema, name, params)
+    nodes = _explain(conn, schema, name, params, generic=generic)
 
     # not the generation attached ahead: empty, its scan reads no page
     empty = {f"message_store_{gen}" for gen in (2,)}
@@ -209,3 +255,4 @@ def test_the_brokers_own_sessions_plan_without_sequential_scans(store: Store) ->
     with store.pool.connection() as conn:
         assert conn.execute("SHOW enable_seqscan").fetchone() == ("off",)
         assert conn.execute("SHOW jit").fetchone() == ("off",)
+        assert conn.execute("SHOW plan_cache_mode").fetchone() == ("force_generic_plan",)
