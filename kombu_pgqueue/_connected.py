@@ -60,7 +60,7 @@ _FLOORED = frozenset(
 )
 
 #: statements that go through an enlisted application transaction, if there is one
-_PUBLISHES = frozenset({"publish", "publish_many", "publish_routed"})
+_PUBLISHES = frozenset({"publish", "publish_replacing", "publish_many", "publish_routed"})
 
 #: a publish's deadline grows by a second for every this many bytes of its message, so
 #: that a large message is not cut off while it is sent and stored (511 MiB took 40 s
@@ -70,7 +70,15 @@ PUBLISH_BYTES_PER_SECOND = 4 << 20
 #: what one publish attempt runs, each bounded by the publish_timeout option too
 #: (publish_many, which may carry a big batch, keeps statement_timeout alone)
 _PUBLISH_ATTEMPT = frozenset(
-    {"publish", "publish_routed", "declare_queue", "declare_exchange", "bind", "generation_floor"}
+    {
+        "publish",
+        "publish_replacing",
+        "publish_routed",
+        "declare_queue",
+        "declare_exchange",
+        "bind",
+        "generation_floor",
+    }
 )
 
 

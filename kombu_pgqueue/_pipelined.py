@@ -39,7 +39,7 @@ from psycopg import pq
 
 from . import _counters, _errors, _libpq, _pool, transactions
 from ._connected import DEADLINE_GRACE
-from ._store import Store
+from ._store import Store, publish_statement
 from ._unroutable import Unroutable
 from .exceptions import ServerUnavailable
 from .records import Outgoing
@@ -54,7 +54,7 @@ MAX_IN_FLIGHT = 1000
 CLOSE_WAIT_SECONDS = 30.0
 
 #: the statements sent here
-STATEMENTS = ("publish", "publish_routed")
+STATEMENTS = ("publish", "publish_replacing", "publish_routed")
 
 _OK = pq.ExecStatus.TUPLES_OK
 _SYNC = pq.ExecStatus.PIPELINE_SYNC
@@ -120,9 +120,9 @@ class Pipeline:
 
     def publish(self, message: Outgoing, *, replace: bool = False) -> None:
         """Send what :meth:`Store.publish` runs, without waiting for it."""
-        sent = Sent("publish", message.queue, "", "", message.dedup_key)
+        sent = Sent(publish_statement(replace), message.queue, "", "", message.dedup_key)
         self._store.read_floor()
-        self._publish(sent, self._store.publish_params(message, replace=replace))
+        self._publish(sent, self._store.publish_params(message))
 
     def publish_routed(
         self,

@@ -20,6 +20,8 @@ _HEADER = re.compile(r"^-- name: (?P<name>\w+) :(?P<kind>one|many|none)\s*$", re
 #: its text (comments dropped) in place of the base's ``{position}``
 _EXTENDS = re.compile(r"\A-- extends: (?P<base>\w+)\s*$", re.MULTILINE)
 _SLOT = "{position}"
+#: what a base statement's ``{position}`` holds in the base itself (none: nothing)
+_UNFILLED = re.compile(r"^\s*-- unfilled: (?P<fill>.+)$", re.MULTILINE)
 _COMMENT = re.compile(r"^\s*--.*$\n?", re.MULTILINE)
 
 #: The first key of each of the broker's advisory locks ('pgq' and a letter, as four
@@ -68,7 +70,8 @@ def raw_queries() -> dict[str, str]:
             variants[name] = found[extends["base"]].replace(_SLOT, fill)
     for name, text in found.items():
         if _SLOT in text and name not in variants:
-            variants[name] = text.replace(_SLOT, "")  # the base itself: an empty slot
+            unfilled = _UNFILLED.search(text)  # the base itself
+            variants[name] = text.replace(_SLOT, unfilled["fill"] if unfilled else "")
     found.update(variants)
     return found
 

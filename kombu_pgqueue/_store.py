@@ -54,6 +54,12 @@ def new_lease() -> int:
 logger = logging.getLogger(__name__)
 
 
+def publish_statement(replace: bool) -> str:
+    """The statement that publishes one message: ``publish_replacing`` writes over the
+    waiting message with the same dedup key, ``publish`` skips it."""
+    return "publish_replacing" if replace else "publish"
+
+
 class Store(Connected):
     """Typed access to one pgqueue schema: one method per named statement."""
 
@@ -67,15 +73,15 @@ class Store(Connected):
 
         With ``replace``, a waiting message with the same dedup key is overwritten.
         """
-        row = self._one("publish", self.publish_params(message, replace=replace))
+        row = self._one(publish_statement(replace), self.publish_params(message))
         return int(row[0]) if row else None
 
-    def publish_params(self, message: Outgoing, *, replace: bool = False) -> dict[str, Any]:
-        """Statement publish's parameters but ``gate`` (see :meth:`Connected._rows`)."""
+    def publish_params(self, message: Outgoing) -> dict[str, Any]:
+        """Statement publish's parameters (publish_replacing's too) but ``gate`` (see
+        :meth:`Connected._rows`)."""
         return {
             **message.params(),
             **self._handoff_params(message),
-            "replace": replace,
             "channel": self.options.channel,
             "floor": self.floor,
         }

@@ -43,8 +43,8 @@
 -- With %(handoff)s (set by the client: %(sealed)s holds the message and fits a NOTIFY
 -- payload) and a consumer waiting, it is leased to that consumer as a claim would
 -- (%(lease)s, attempts 1) and the NOTIFY hands it over ('h:', see payload below).
--- A message whose dedup key is taken is skipped (no row returned), or, with
--- %(replace)s, replaces the waiting one; one that a consumer holds is never replaced.
+-- A message whose dedup key is taken is skipped (no row returned); publish_replacing
+-- replaces the waiting one instead (one that a consumer holds is never replaced).
 WITH wanted AS MATERIALIZED (
     -- whether a consumer waits for the queue (NULL: a delayed message, which announces
     -- its due time to every consumer instead)
@@ -96,8 +96,8 @@ target AS MATERIALIZED (
     LEFT JOIN picked ON true
 ),
 fresh AS MATERIALIZED (
-    -- the message as it is to be stored, inserted or (%(replace)s) written over the
-    -- waiting one with its key
+    -- the message as it is to be stored, inserted or (publish_replacing) written over
+    -- the waiting one with its key
     SELECT
         coalesce(%(eta)s::timestamptz > now(), false) AS delayed,
         CASE WHEN target.consumer <> ''
@@ -115,26 +115,12 @@ fresh AS MATERIALIZED (
     FROM target
 ),
 replaced AS (
-    -- the waiting message with this key, never one that a consumer holds
-    UPDATE {schema}.message_store AS m
-    SET priority = %(priority)s,
-        delayed = fresh.delayed,
-        next_iteration = fresh.next_iteration,
-        expires_at = fresh.expires_at,
-        body = %(body)s,
-        content_type = %(content_type)s,
-        content_encoding = %(content_encoding)s,
-        headers = %(headers)s::json,
-        properties = %(properties)s::json,
-        lease = fresh.lease,
-        attempts = fresh.attempts
-    FROM fresh
-    WHERE %(replace)s::boolean
-      AND m.queue = %(queue)s
-      AND m.dedup_key = %(dedup_key)s
-      AND m.gen >= %(floor)s::bigint  -- see the top
-      AND (m.lease IS NULL OR m.next_iteration <= now())
-    RETURNING m.id, m.delayed, m.next_iteration, m.lease
+    -- the message it wrote over: none here; publish_replacing's UPDATE of the waiting
+    -- message with its key. Not an UPDATE that a parameter turns off: never run, it
+    -- was still set up over every generation, and cost each publish a tenth more of
+    -- the server's CPU (benchmarks/HISTORY.md, 2026-11-29)
+    -- unfilled: SELECT NULL::bigint AS id, NULL::boolean AS delayed, NULL::timestamptz AS next_iteration, NULL::bigint AS lease WHERE false
+    {position}
 ),
 inserted AS (
     -- a key that another waiting or running message holds: the trigger dedup_claim
@@ -199,6 +185,29 @@ CROSS JOIN LATERAL (
             || ':' || %(sealed)s::text
     END AS message
 ) AS handoff;
+
+-- name: publish_replacing :one
+-- extends: publish
+-- The publish of a message with a dedup key that writes over the waiting message with
+-- that key (Kombu's and Celery's dedup with replace), never over one a consumer holds.
+UPDATE {schema}.message_store AS m
+SET priority = %(priority)s,
+    delayed = fresh.delayed,
+    next_iteration = fresh.next_iteration,
+    expires_at = fresh.expires_at,
+    body = %(body)s,
+    content_type = %(content_type)s,
+    content_encoding = %(content_encoding)s,
+    headers = %(headers)s::json,
+    properties = %(properties)s::json,
+    lease = fresh.lease,
+    attempts = fresh.attempts
+FROM fresh
+WHERE m.queue = %(queue)s
+  AND m.dedup_key = %(dedup_key)s
+  AND m.gen >= %(floor)s::bigint
+  AND (m.lease IS NULL OR m.next_iteration <= now())
+RETURNING m.id, m.delayed, m.next_iteration, m.lease
 
 -- name: publish_many :many
 -- Many messages in one round trip, each column an array of the same length.

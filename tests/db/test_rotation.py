@@ -170,6 +170,14 @@ _PER_MESSAGE = {
     "renew": {"ids": [1, 2], "leases": [7, 7], "lease_seconds": 60.0},
     "poll": {"queues": [QUEUE], "check": [QUEUE]},
     "publish": {"queue": QUEUE, "priority": 0, "body": b"x", "headers": "{}", "properties": "{}"},
+    "publish_replacing": {
+        "queue": QUEUE,
+        "priority": 0,
+        "body": b"x",
+        "headers": "{}",
+        "properties": "{}",
+        "dedup_key": "k",
+    },
 }
 
 
@@ -215,7 +223,12 @@ def test_statements_leave_the_generations_a_dump_keeps_unopened(
         for node in plans.nodes(row[0][0]["Plan"])
         if node.get("Relation Name", "").startswith("message_store_")
     }
-    assert read and read <= live, f"{name} opens generations {sorted(read - live)}"
+    if name == "publish":
+        # an INSERT, routed to the current generation as it runs: its plan names none
+        # (publish_replacing's UPDATE does)
+        assert read == set()
+    else:
+        assert read and read <= live, f"{name} opens generations {sorted(read - live)}"
 
 
 def _rotation_due(db: psycopg.Connection, schema: str) -> None:
