@@ -131,7 +131,13 @@ class Tally:
 def tally(conn: psycopg.Connection, run: str, expected: set[tuple[int, int]]) -> Tally:
     table = load_table(run)
     rows = count(conn, sql.SQL("SELECT count(*) FROM {}").format(table))
-    got = {(p, s) for p, s in conn.execute(sql.SQL("SELECT DISTINCT p, s FROM {}").format(table))}
+    with conn.transaction():
+        # by sorting: PostgreSQL 15's hashed DISTINCT of the 1.29 million rows of a
+        # quick snapshot (one producer, so nearly every row its own group, against an
+        # estimate of 40,000) ran for ten minutes; sorted, 0.6 s
+        conn.execute("SET LOCAL enable_hashagg = off")
+        query = sql.SQL("SELECT DISTINCT p, s FROM {}").format(table)
+        got = {(p, s) for p, s in conn.execute(query)}
     return Tally(rows, len(got), len(expected - got), len(got - expected))
 
 
