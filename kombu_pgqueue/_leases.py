@@ -7,10 +7,10 @@ main thread is busy (Celery's solo pool runs the task in the consuming thread).
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable, Sequence
 
 from . import _counters
+from ._periodic import Periodic
 from ._store import Store
 
 logger = logging.getLogger(__name__)
@@ -22,17 +22,14 @@ class LeaseKeeper:
     def __init__(self, store: Store, held: Held, interval: float) -> None:
         self.store = store
         self.held = held
-        self.interval = interval
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
         self.renewals = 0
+        self._thread = Periodic("pgqueue-lease-keeper", interval, self._round, at_once=False)
 
     def start(self) -> None:
-        if self._thread is not None and self._thread.is_alive():
-            return
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._run, name="pgqueue-lease-keeper", daemon=True)
         self._thread.start()
+
+    def stop(self) -> None:
+        self._thread.stop()
 
     def renew_now(self) -> int:
         """Renew every held lease once; return how many were still ours."""
@@ -51,15 +48,8 @@ class LeaseKeeper:
             logger.debug("pgqueue: %d of %d leases were no longer ours", lost, len(held))
         return len(kept)
 
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            try:
-                self.renew_now()
-            except Exception as exc:  # the database may be down; try again next round
-                logger.warning("pgqueue: lease renewal failed: %r", exc)
-
-    def stop(self) -> None:
-        self._stop.set()
-        thread, self._thread = self._thread, None
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout=5)
+    def _round(self) -> None:
+        try:
+            self.renew_now()
+        except Exception as exc:  # the database may be down; try again next round
+            logger.warning("pgqueue: lease renewal failed: %r", exc)

@@ -12,11 +12,11 @@ many, take turns and never do the same step twice.
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable
 
 import psycopg
 
+from ._periodic import Periodic
 from ._store import Store
 from .exceptions import PgQueueError
 
@@ -28,36 +28,20 @@ class Rotator:
     until stopped. ``store`` is a callable: after a failover the consumer's store is
     another one (:meth:`._consumer.Consumer.use_store`).
 
-    Who writes what: :meth:`start` and :meth:`stop` (the consuming thread) the thread
-    and its event; the rotation thread :attr:`steps` and the kinds of failure logged.
+    Who writes what: :meth:`start` and :meth:`stop` (the consuming thread) the thread;
+    the rotation thread the kinds of failure logged.
     """
 
     def __init__(self, store: Callable[[], Store], interval: float) -> None:
         self._store = store
-        self.interval = interval
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
         self._failures: set[str] = set()
-        #: steps taken, failed ones too (tests wait on it)
-        self.steps = 0
+        self._thread = Periodic("pgqueue-rotator", interval, self.step, at_once=True)
 
     def start(self) -> None:
-        if self._thread is not None and self._thread.is_alive():
-            return
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._run, name="pgqueue-rotator", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
-        self._stop.set()
-        thread, self._thread = self._thread, None
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout=5)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.step()
-            self._stop.wait(self.interval)
+        self._thread.stop()
 
     def step(self) -> None:
         """One step. It must never stop a worker: a failure (a role without the grant on
@@ -78,5 +62,3 @@ class Rotator:
                     exc,
                     exc_info=not isinstance(exc, (psycopg.Error, PgQueueError)),
                 )
-        finally:
-            self.steps += 1

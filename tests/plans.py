@@ -13,6 +13,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import psycopg
+from psycopg import sql
+
+from kombu_pgqueue._pool import SESSION_SETTINGS
+from kombu_pgqueue._sql import positional
 
 
 def nodes(plan: dict[str, Any]) -> Iterator[dict[str, Any]]:
@@ -46,3 +50,26 @@ def indexes(conn: psycopg.Connection, found: list[dict[str, Any]]) -> set[str]:
         (list(names),),
     ).fetchall()
     return {dict(parents).get(name, name) for name in names}
+
+
+def generic_plan(conn: psycopg.Connection, schema: str, name: str, params: dict[str, Any]) -> Any:
+    """The generic plan of statement ``name`` (EXPLAIN (FORMAT JSON)'s row), the plan the
+    broker's own sessions run (they plan each prepared statement once:
+    ``SESSION_SETTINGS``): PREPAREd as the pipeline sends it (``$n`` for each key), and
+    EXPLAIN EXECUTE with ``params`` as literals, in a new session of those settings."""
+    text, keys = positional(schema, name)
+    with psycopg.connect(conn.info.dsn, autocommit=True) as session:
+        session.execute(SESSION_SETTINGS)
+        session.execute(b"PREPARE plan_check AS " + text)
+        values = sql.SQL(", ").join(sql.Literal(params[key]) for key in keys)
+        explain = sql.SQL("EXPLAIN (FORMAT JSON) EXECUTE plan_check({})").format(values)
+        row = session.execute(explain).fetchone()
+        # planned for no values (without plan_cache_mode, the first five executions of
+        # a prepared statement are planned for theirs)
+        kinds = session.execute(
+            "SELECT generic_plans, custom_plans FROM pg_prepared_statements"
+            " WHERE name = 'plan_check'"
+        ).fetchone()
+    assert kinds == (1, 0), kinds
+    assert row is not None
+    return row

@@ -6,7 +6,6 @@ ANALYZE, then ``EXPLAIN (FORMAT JSON)`` of each statement as the store sends it.
 
 from __future__ import annotations
 
-import re
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -16,11 +15,10 @@ from typing import Any
 import plans
 import psycopg
 import pytest
-from psycopg import ClientCursor, sql
+from psycopg import sql
 
 from kombu_pgqueue import migrate
 from kombu_pgqueue._options import parse_options
-from kombu_pgqueue._pool import SESSION_SETTINGS
 from kombu_pgqueue._sql import queries
 from kombu_pgqueue._store import Outgoing, Store
 
@@ -80,38 +78,9 @@ def _explain(
         query = sql.SQL("EXPLAIN (FORMAT JSON) ") + queries(schema)[name]
         row = conn.execute(query, params).fetchone()
     else:
-        row = _explain_generic(conn, queries(schema)[name], params)
+        row = plans.generic_plan(conn, schema, name, params)
     assert row is not None
     return list(plans.nodes(row[0][0]["Plan"]))
-
-
-def _explain_generic(
-    conn: psycopg.Connection, query: sql.Composable, params: dict[str, Any]
-) -> tuple[Any, ...] | None:
-    """PREPARE the statement with $n for each %(name)s, EXPLAIN EXECUTE it with the
-    values as literals, in a new session with the broker's settings."""
-    names: list[str] = []
-
-    def placeholder(match: re.Match[str]) -> str:
-        if match[1] not in names:
-            names.append(match[1])
-        return f"${names.index(match[1]) + 1}"
-
-    text = re.sub(r"%\((\w+)\)s", placeholder, query.as_string(conn)).replace("%%", "%")
-    with psycopg.connect(conn.info.dsn, autocommit=True) as session:
-        session.execute(SESSION_SETTINGS)
-        session.execute(f"PREPARE plan_check AS {text}")  # type: ignore[arg-type]
-        values = ", ".join(["%s"] * len(names))
-        explain = f"EXPLAIN (FORMAT JSON) EXECUTE plan_check({values})"
-        row = ClientCursor(session).execute(explain, [params[n] for n in names]).fetchone()  # type: ignore[arg-type]
-        # planned for no values (without plan_cache_mode, the first five executions of
-        # a prepared statement are planned for theirs)
-        kinds = session.execute(
-            "SELECT generic_plans, custom_plans FROM pg_prepared_statements"
-            " WHERE name = 'plan_check'"
-        ).fetchone()
-        assert kinds == (1, 0), kinds
-    return row
 
 
 def _params(name: str, now: datetime) -> dict[str, Any]:

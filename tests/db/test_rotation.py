@@ -205,19 +205,10 @@ def test_statements_leave_the_generations_a_dump_keeps_unopened(
         live = {g for g, state in generations.items() if state in ("live", "current", "next")}
         assert len(generations) - len(live) >= 3  # drained or emptied, not dropped
 
-        text, keys = store.positional(name)
+        _, keys = store.positional(name)
         params = {k: None for k in keys} | {"channel": "c", "floor": store.floor}
         params |= {"synchronous_commit": None, "lease": 7} | _PER_MESSAGE[name]
-        db.execute("SET plan_cache_mode = force_generic_plan")
-        db.execute(b"PREPARE per_message AS " + text)
-        try:
-            values = sql.SQL(", ").join(sql.Literal(params[k]) for k in keys)
-            explain = sql.SQL("EXPLAIN (FORMAT JSON) EXECUTE per_message({})").format(values)
-            row = db.execute(explain).fetchone()
-        finally:
-            db.execute("DEALLOCATE per_message")
-            db.execute("RESET plan_cache_mode")
-    assert row is not None
+        row = plans.generic_plan(db, schema, name, params)
     read = {
         int(node["Relation Name"].rsplit("_", 1)[1])
         for node in plans.nodes(row[0][0]["Plan"])
