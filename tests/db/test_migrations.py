@@ -325,3 +325,29 @@ def test_the_sql_command_on_a_server_that_cannot_be_reached_is_one_line(
 
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("cannot connect to "), line
+
+
+def test_an_upgrade_behind_a_dump_stops_with_its_holder_named_and_changes_nothing(
+    dsn: str, schema: str, db: psycopg.Connection
+) -> None:
+    """Migration 0015 replaces a trigger of message_store, which takes its exclusive lock
+    for a moment. Behind a pg_dump (which holds ACCESS SHARE until it ends) it would wait,
+    and every claim and publish would queue behind it: it gives up after lock_timeout,
+    names who holds the table, and the next try, once the reader ended, applies it."""
+    assert migrate(dsn, schema, to=14)[-1] == 14
+    with psycopg.connect(dsn) as reader, psycopg.connect(dsn) as owner:
+        reader.execute(
+            sql.SQL("SELECT 1 FROM {}.message_store LIMIT 0").format(sql.Identifier(schema))
+        )
+        reader_pid = reader.info.backend_pid
+        owner.execute("SET lock_timeout = '100ms'")
+        owner.commit()
+        with pytest.raises(psycopg.errors.LockNotAvailable) as raised:
+            migrate(owner, schema)
+        assert f"{reader_pid} (" in str(raised.value)
+        assert "Run migrate again" in (raised.value.diag.message_hint or "")
+        owner.rollback()
+        assert current_version(db, schema) == 14
+        reader.rollback()  # the dump ends
+        assert migrate(owner, schema) == [15]
+    assert current_version(db, schema) == 15

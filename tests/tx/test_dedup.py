@@ -13,10 +13,12 @@ from collections.abc import Callable
 from typing import Any
 
 import celery.contrib.testing.tasks  # noqa: F401 - registers celery.ping
+import psycopg
 import pytest
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
 from kombu import Connection, Exchange, Producer, Queue
+from psycopg import sql
 from tx_helpers import make_app
 from waiting import wait_for
 from wire_faults import FaultProxy
@@ -96,6 +98,55 @@ def test_ack_frees_the_dedup_key(connection, rows):
     assert message.payload == {"n": 2}
     message.ack()
     assert rows() == []
+
+
+def _leave_by_reject(connection: Connection) -> None:
+    _get(connection).reject()  # into the dead letters
+
+
+def _leave_by_purge(connection: Connection) -> None:
+    assert connection.default_channel.queue_purge(QUEUE) == 1
+
+
+def _leave_by_no_ack_get(connection: Connection) -> None:
+    assert Queue(QUEUE, channel=connection.default_channel).get(no_ack=True) is not None
+
+
+def _keys(db: psycopg.Connection, schema: str) -> list[tuple[Any, ...]]:
+    """The keys held (table dedup): a message's key goes with it, or the table would
+    keep one row for every keyed message ever sent (every Celery task)."""
+    query = sql.SQL("SELECT queue, dedup_key FROM {}.dedup ORDER BY 1, 2")
+    return db.execute(query.format(sql.Identifier(schema))).fetchall()
+
+
+@pytest.mark.parametrize("leave", [_leave_by_reject, _leave_by_purge, _leave_by_no_ack_get])
+def test_every_way_a_message_leaves_frees_its_dedup_key(connection, rows, db, schema, leave):
+    producer = Producer(connection)
+    producer.publish({"n": 1}, routing_key=QUEUE, dedup_key="k")
+    assert _keys(db, schema) == [(QUEUE, "k")]
+    leave(connection)
+    assert rows() == []
+    assert _keys(db, schema) == []
+    producer.publish({"n": 2}, routing_key=QUEUE, dedup_key="k")
+    assert [bytes(body) for (body,) in rows("body")] == [b'{"n": 2}']
+
+
+def test_batched_acks_free_the_keys_of_the_keyed_messages_among_them(
+    make_connection, rows, db, schema
+):
+    """The default acks: one statement for whatever was acked meanwhile (ack_many),
+    keyed messages and others together."""
+    connection = make_connection(batch_acks=True)
+    producer = Producer(connection)
+    producer.publish({"n": 1}, routing_key=QUEUE, dedup_key="k")
+    producer.publish({"n": 0}, routing_key=QUEUE)
+    first, second = _get(connection), _get(connection)
+    first.ack()
+    second.ack()
+    wait_for(lambda: rows() == [], 10, "the batched acks")
+    assert _keys(db, schema) == []
+    producer.publish({"n": 2}, routing_key=QUEUE, dedup_key="k")
+    assert [bytes(body) for (body,) in rows("body")] == [b'{"n": 2}']
 
 
 def test_leased_message_still_holds_its_dedup_key(connection, store, rows):
