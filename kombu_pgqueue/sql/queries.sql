@@ -416,30 +416,19 @@ WITH candidate AS MATERIALIZED (
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
 ),
-exhausted AS (
-    DELETE FROM {schema}.message_store AS m
-    -- no join to candidate: a list of ids is an index condition on the primary key of
-    -- each generation, one probe per id, whatever the planner believes of the table's
-    -- size (see ack_many) or of the candidates' number (joined, it took every candidate
-    -- for each, from the generation's index: 100 x 100 rows for a claim of 100)
-    WHERE m.id = ANY(ARRAY(
-              SELECT c.id FROM candidate AS c WHERE c.attempts >= %(max_attempts)s
-          ))
-      -- only the generations the candidates are in
-      AND m.gen >= %(floor)s::bigint
-  AND m.gen BETWEEN (SELECT min(gen) FROM candidate) AND (SELECT max(gen) FROM candidate)
-    RETURNING m.id, m.queue, m.priority, m.attempts, m.created_at, m.dedup_key, m.body,
-              m.content_type, m.content_encoding, m.headers, m.properties
+exhausted AS MATERIALIZED (
+    SELECT ARRAY(
+        SELECT c.id FROM candidate AS c WHERE c.attempts >= %(max_attempts)s
+    ) AS ids
 ),
 buried AS (
-    INSERT INTO {schema}.dead_letter (
-        id, queue, priority, attempts, reason, created_at, dedup_key,
-        body, content_type, content_encoding, headers, properties
-    )
-    SELECT id, queue, priority, attempts, 'max_attempts', created_at, dedup_key,
-           body, content_type, content_encoding, headers, properties
-    FROM exhausted
-    RETURNING id, priority, attempts, headers
+    -- into the dead letters (function bury_exhausted, migration 0015), only when a
+    -- candidate had its max_attempts: a claim that buries nothing runs no DELETE, whose
+    -- statement trigger (dedup_release) would otherwise run for every claim
+    SELECT b.id, b.priority, b.attempts, b.headers
+    FROM exhausted AS x
+    CROSS JOIN LATERAL {schema}.bury_exhausted(x.ids, %(floor)s::bigint) AS b
+    WHERE cardinality(x.ids) > 0
 ),
 leased AS (
     UPDATE {schema}.message_store AS m
@@ -447,10 +436,15 @@ leased AS (
                          + make_interval(secs => %(lease_seconds)s),
         attempts = m.attempts + 1,
         lease = %(lease)s
-    -- as exhausted's (the candidates are locked: their attempts are the rows')
+    -- no join to candidate: a list of ids is an index condition on the primary key of
+    -- each generation, one probe per id, whatever the planner believes of the table's
+    -- size (see ack_many) or of the candidates' number (joined, it took every candidate
+    -- for each, from the generation's index: 100 x 100 rows for a claim of 100). The
+    -- candidates are locked: their attempts are the rows'.
     WHERE m.id = ANY(ARRAY(
               SELECT c.id FROM candidate AS c WHERE c.attempts < %(max_attempts)s
           ))
+      -- only the generations the candidates are in
       AND m.gen >= %(floor)s::bigint
   AND m.gen BETWEEN (SELECT min(gen) FROM candidate) AND (SELECT max(gen) FROM candidate)
     RETURNING m.id, m.priority, m.attempts, m.body, m.content_type,

@@ -221,9 +221,16 @@ def test_statements_given_a_list_of_ids_reach_it_by_key_whatever_the_estimate(
         assert scan["Node Type"] != "Seq Scan", scan
         # an index scan without a condition reads the whole index: every message
         assert "Index Cond" in scan, scan
-    # and no join to the list: the table went whole into the join believed empty, and
-    # the generic plan probed the key once per id with the whole list (see ack_many)
-    joins = [n["Node Type"] for n in nodes if n["Node Type"] in _JOINS]
+    # and no join of the messages to the list: the table went whole into the join
+    # believed empty, and the generic plan probed the key once per id with the whole
+    # list (see ack_many). The claim's call of bury_exhausted, a join of its list to the
+    # function, reads no message itself.
+    joins = [
+        n["Node Type"]
+        for n in nodes
+        if n["Node Type"] in _JOINS
+        and any(m.get("Relation Name", "").startswith("message_store") for m in plans.nodes(n))
+    ]
     assert joins == [], joins
 
 
@@ -232,3 +239,27 @@ def test_the_brokers_own_sessions_plan_without_sequential_scans(store: Store) ->
         assert conn.execute("SHOW enable_seqscan").fetchone() == ("off",)
         assert conn.execute("SHOW jit").fetchone() == ("off",)
         assert conn.execute("SHOW plan_cache_mode").fetchone() == ("force_generic_plan",)
+
+
+@pytest.mark.parametrize("exhausted", [False, True], ids=["none exhausted", "one exhausted"])
+def test_a_claim_deletes_only_when_a_candidate_had_its_max_attempts(
+    dsn: str, exhausted: bool
+) -> None:
+    """A DELETE on message_store, even of no row, runs its statement trigger
+    (dedup_release, migration 0015): the claim calls bury_exhausted, which deletes the
+    candidates that had their max_attempts, only when there are some."""
+    with _plan_schema(dsn) as (conn, schema, store, now):
+        store.publish_many(
+            [Outgoing(queue="q7", body=b"x", headers="{}", properties="{}") for _ in range(3)]
+        )
+        params = _params("claim", now) | {"max_attempts": 0 if exhausted else 5}
+        query = sql.SQL("EXPLAIN (ANALYZE, FORMAT JSON) ") + queries(schema)["claim"]
+        with conn.transaction(force_rollback=True):
+            row = conn.execute(query, params).fetchone()
+        assert row is not None
+        calls = [
+            n["Actual Loops"]
+            for n in plans.nodes(row[0][0]["Plan"])
+            if n.get("Function Name") == "bury_exhausted"
+        ]
+        assert calls == [1 if exhausted else 0]
