@@ -2,7 +2,7 @@
 consumer sends them one after the other (message_cost.py claims everything first, so
 its claims also walk the leased rows before them).
 
-    python benchmarks/probes/claim_ack_cost.py [--n 16000] [--batch 8] [--detach-next]
+    python benchmarks/probes/claim_ack_cost.py [--n 16000] [--batch 8] [--detach-next] [--keys]
 
 Run from a checkout (its kombu_pgqueue first on sys.path: ``PYTHONPATH=.``), or
 through ``ab.sh`` to compare revisions. A schema of its own, N messages by
@@ -11,7 +11,8 @@ empty, on the store's pooled connections. Prints the wall time per claim and ack
 the CPU per message of every PostgreSQL process (from /proc) and of the busiest one
 (the backend that ran them). ``--detach-next`` first detaches the generation attached
 ahead, empty until the next rotation: what one more partition in every statement
-costs.
+costs. ``--keys`` gives every message a dedup key of its own, as Celery's task ids are
+(``dedup_task_ids``): what freeing the keys costs the acks.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from psycopg import sql
 
 from kombu_pgqueue import migrate
 from kombu_pgqueue._options import parse_options
-from kombu_pgqueue._store import Outgoing, Store, new_lease
+from kombu_pgqueue._store import Store, new_lease
+from kombu_pgqueue.records import Outgoing
 
 DSN = os.environ.get("PGQUEUE_TEST_DSN", "host=127.0.0.1 dbname=test user=postgres")
 TICKS = os.sysconf("SC_CLK_TCK")
@@ -54,6 +56,7 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=16_000)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--detach-next", action="store_true")
+    parser.add_argument("--keys", action="store_true")
     args = parser.parse_args()
     schema = "probe_ca_" + uuid.uuid4().hex[:8]
     with psycopg.connect(DSN, autocommit=True) as pg:
@@ -66,16 +69,26 @@ def main() -> None:
                         sql.Identifier(schema, "message_store_2"),
                     )
                 )
-            run(schema, args.n, args.batch)
+            run(schema, args.n, args.batch, args.keys)
         finally:
             pg.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(sql.Identifier(schema)))
 
 
-def run(schema: str, n: int, batch: int) -> None:
+def run(schema: str, n: int, batch: int, keys: bool) -> None:
     store = Store(DSN, parse_options({"schema": schema}))
     store.open()
-    message = Outgoing(queue="q", body=b"x" * 100, headers="{}", properties="{}")
-    store.publish_many([message] * n)
+    store.publish_many(
+        [
+            Outgoing(
+                queue="q",
+                body=b"x" * 100,
+                headers="{}",
+                properties="{}",
+                dedup_key=uuid.uuid4().hex if keys else None,
+            )
+            for _ in range(n)
+        ]
+    )
     before, t0 = postgres_cpu(), time.perf_counter()
     got = rounds = 0
     while True:
