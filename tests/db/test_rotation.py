@@ -170,15 +170,8 @@ _PER_MESSAGE = {
     "renew": {"ids": [1, 2], "leases": [7, 7], "lease_seconds": 60.0},
     "poll": {"queues": [QUEUE], "check": [QUEUE]},
     "publish": {"queue": QUEUE, "priority": 0, "body": b"x", "headers": "{}", "properties": "{}"},
-    "publish_replacing": {
-        "queue": QUEUE,
-        "priority": 0,
-        "body": b"x",
-        "headers": "{}",
-        "properties": "{}",
-        "dedup_key": "k",
-    },
 }
+_PER_MESSAGE["publish_replacing"] = _PER_MESSAGE["publish"] | {"dedup_key": "k"}
 
 
 @pytest.mark.parametrize("name", sorted(_PER_MESSAGE))
