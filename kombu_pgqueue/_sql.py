@@ -28,6 +28,8 @@ _COMMENT = re.compile(r"^\s*--.*$\n?", re.MULTILINE)
 #: bytes; the second key is a hash of what is locked), written ``{lock_...}`` in the
 #: statements and migrations, which are composed with these.
 LOCKS = {
+    # 'pgqB': the leading beat's session holds (hashtext(schema)) while it leads (0017)
+    "lock_beat": 0x70677142,
     # 'pgqC': a consumer's LISTEN session holds (consumer) while it lives (migration 0009)
     "lock_consumer": 0x70677143,
     # 'pgqP': a publish that looked for a waiting consumer, (channel:queue) shared until
