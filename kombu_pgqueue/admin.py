@@ -17,6 +17,10 @@ a DSN or ``pgqueue://`` URL and transport options, or from a Kombu connection (a
 app's ``app.connection_for_write()``). It opens nothing until first used, and then
 shares the process's connection pool with every Kombu connection to that database.
 
+Periodic task entries (``celery_pgqueue.beat``) are here too: :meth:`Broker.periodic_entries`,
+:meth:`Broker.save_periodic` and the methods beside it, with their records in
+:mod:`kombu_pgqueue.schedule`.
+
 Also here: the records it returns (:mod:`kombu_pgqueue.records`), transport option
 parsing (:func:`parse_options`), what to do about a broker URL Kombu has no transport
 for (:func:`missing_transport`), :func:`load_staged` for connections the caller opened
@@ -27,7 +31,8 @@ what this module exports is the stable surface.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from datetime import datetime, timedelta
 from typing import Any, TypeAlias
 
@@ -35,7 +40,7 @@ import psycopg
 from kombu.connection import Connection
 from psycopg.conninfo import make_conninfo
 
-from . import _copy, _counters, _store, migrations
+from . import _copy, _counters, _store, migrations, schedule
 from ._monitor import DEFAULT_CAP, Generation, Monitor, QueueDepth, TableSize
 from ._options import (
     DEFAULT_SCHEMA,
@@ -320,3 +325,49 @@ class Broker:
         """:meth:`publish_rows` for :class:`Outgoing` records (``kombu_pgqueue.codec``
         builds them from Kombu messages)."""
         return self._store.publish_many(messages)
+
+    # -- periodic tasks (celery_pgqueue.beat; records in kombu_pgqueue.schedule) --------
+
+    @contextmanager
+    def _direct(self) -> Iterator[psycopg.Connection[Any]]:
+        # a connection of its own, as migrate() uses: rare commands, not a hot path
+        with psycopg.connect(self.conninfo, autocommit=True) as conn:
+            migrations.ensure(conn, self.schema, auto_migrate=self.options.auto_migrate)
+            yield conn
+
+    def periodic_entries(self) -> list[schedule.Entry]:
+        """Every periodic entry by name, paused ones too, with its last due time, last
+        run and counts."""
+        with self._direct() as conn:
+            return schedule.entries(conn, self.schema)
+
+    def save_periodic(self, spec: schedule.EntrySpec, *, now: datetime | None = None) -> bool:
+        """Add a periodic entry, or change the one of its name; return whether anything
+        changed. The running beats take it at their next tick. A changed entry keeps
+        its last due time, its counts and its pause; a new one is first due after
+        ``now`` (None: the database server's clock)."""
+        with self._direct() as conn:
+            return schedule.save(conn, self.schema, spec, now=now)
+
+    def pause_periodic(self, name: str, *, now: datetime | None = None) -> bool:
+        """Pause entry ``name``; False if there is none. No beat sends it from now on,
+        not even one that read it before."""
+        with self._direct() as conn:
+            return schedule.pause(conn, self.schema, name, now)
+
+    def resume_periodic(self, name: str, *, now: datetime | None = None) -> bool:
+        """Resume paused entry ``name`` from ``now``: the due times of the pause are not
+        sent. False if there is no paused entry of that name."""
+        with self._direct() as conn:
+            return schedule.resume(conn, self.schema, name, now)
+
+    def remove_periodic(self, name: str) -> bool:
+        """Remove entry ``name``; False if there is none. An entry of ``beat_schedule``
+        comes back when a beat starts unless it is removed from there too."""
+        with self._direct() as conn:
+            return schedule.remove(conn, self.schema, name)
+
+    def beat_leader(self) -> schedule.Leader | None:
+        """The beat that leads (sends the due tasks), or None while none does."""
+        with self._direct() as conn:
+            return schedule.leader(conn, self.schema)
