@@ -110,12 +110,13 @@ def storage_disagreements(conn: psycopg.Connection, schema: str) -> list[str]:
     generation sequence at the current generation."""
     rows = conn.execute(
         sql.SQL(
-            """
+            r"""
             SELECT 'generation ' || g.gen || ' in ' || g.relname
             FROM {generation} AS g
             WHERE NOT EXISTS (
                 SELECT 1 FROM pg_inherits AS i
-                JOIN {era} AS e ON to_regclass(format('%%I.%%I', %(s)s::text, e.relname)) = i.inhparent
+                JOIN {era} AS e
+                  ON to_regclass(format('%%I.%%I', %(s)s::text, e.relname)) = i.inhparent
                 WHERE i.inhrelid = to_regclass(format('%%I.%%I', %(s)s::text, g.relname))
                   AND g.gen >= e.base AND g.gen < e.bound
             ) AND NOT EXISTS (
