@@ -80,10 +80,10 @@ class Generation:
 
     gen: int
     #: next (attached ahead), current (publishes go here), live (older, may hold
-    #: messages), drained (holds none; claims skip it), emptied (truncated, not dropped)
+    #: messages), drained (holds none; claims skip it), emptied (truncated, not yet recycled)
     state: str
     total_bytes: int
-    #: the session whose lock keeps this generation from being emptied or dropped, and
+    #: the session whose lock keeps this generation from being emptied or recycled, and
     #: for how many seconds; None when nothing waits
     blocked_by: int | None = None
     blocked_seconds: float | None = None

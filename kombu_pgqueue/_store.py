@@ -304,9 +304,9 @@ class Store(Connected):
         return dict(zip(keys, (int(v) for v in row))) if row else {}
 
     def rotate(self) -> Rotation:
-        """The storage's rotation, its steps in turn (function ``rotate``, migration 0012),
-        each a transaction of its own; a step returns at once when another process is
-        taking one."""
+        """The storage's rotation, its steps in turn (function ``rotate``, which runs
+        ``rotate_<step>``, migration 0016), each a transaction of its own; a step returns
+        at once when another process is taking one."""
         # grown past its size, or a snapshot held while it filled has ended (VACUUM made
         # its dead rows free space, which the dead rows' count no longer shows:
         # CurrentGeneration): the next generation starts now, and this one's space
@@ -330,24 +330,24 @@ class Store(Connected):
 
         def repeated(name: str) -> tuple[int, int]:
             """The step again while it did something (drained or emptied one generation,
-            dropped one era's generations or the eras left with none): the messages it
+            recycled one era's generations or the eras left with none): the messages it
             moved, and what it did in all."""
             moved = did = 0
             for _ in range(MAX_GENERATIONS):
                 taken = step(name)
                 moved += taken.moved
-                if not (taken.emptied or taken.dropped):
+                if not (taken.emptied or taken.recycled):
                     break
-                did += taken.emptied + taken.dropped
+                did += taken.emptied + taken.recycled
             return moved, did
 
         done = step("move")
         drained_moved, _ = repeated("drain")
         emptied_moved, emptied = repeated("empty")
-        _, dropped = repeated("drop")
+        _, recycled = repeated("recycle")
         moved = done.moved + drained_moved + emptied_moved
         self.read_floor(now=True)  # the drain step may have moved it
-        return Rotation(done.rotated, moved, emptied, dropped)
+        return Rotation(done.rotated, moved, emptied, recycled)
 
     # -- queues, exchanges, bindings ---------------------------------------------
 

@@ -138,8 +138,8 @@ class Rotation:
     moved: int
     #: generations emptied by TRUNCATE
     emptied: int
-    #: emptied generations dropped
-    dropped: int
+    #: emptied generations (and eras left with none) detached and kept for reuse
+    recycled: int
 
 
 @dataclass(frozen=True, slots=True)

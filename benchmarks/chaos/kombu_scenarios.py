@@ -28,11 +28,16 @@ BUCKET = 10.0
 SAMPLES = 3000
 
 
-def _connection(dsn: str, schema: str) -> Connection:
+def _connection(dsn: str, schema: str, options: dict[str, Any] | None = None) -> Connection:
     # few pooled connections per process: 32 processes share max_connections = 100
     conn = Connection(
         broker_url(dsn),
-        transport_options={"schema": schema, "pool_max_size": 2, "polling_interval": 1.0},
+        transport_options={
+            "schema": schema,
+            "pool_max_size": 2,
+            "polling_interval": 1.0,
+            **(options or {}),
+        },
     )
     conn.connect()
     return conn
@@ -54,10 +59,12 @@ def consumer(
     results: Any,
     counter: Any,
     record: bool,
+    options: dict[str, Any] | None = None,
 ) -> None:
-    """Consume until ``stop``; ack each message; report claim and end-to-end latencies."""
+    """Consume until ``stop``; ack each message; report claim and end-to-end latencies.
+    ``options``: transport options beside the scenario's own."""
     rng = random.Random()
-    conn = _connection(dsn, schema)
+    conn = _connection(dsn, schema, options)
     channel = conn.default_channel
     claims: dict[int, list[float]] = defaultdict(list)
     e2e: dict[int, list[float]] = defaultdict(list)
@@ -103,9 +110,17 @@ def consumer(
     results.put(("consumer", dict(claims), dict(e2e), probes))
 
 
-def producer(dsn: str, schema: str, p: int, rate: float, stop: Any, results: Any) -> None:
+def producer(
+    dsn: str,
+    schema: str,
+    p: int,
+    rate: float,
+    stop: Any,
+    results: Any,
+    options: dict[str, Any] | None = None,
+) -> None:
     """Publish ``{"p", "s", "t"}`` at ``rate`` per second until ``stop``."""
-    conn = _connection(dsn, schema)
+    conn = _connection(dsn, schema, options)
     out = Producer(conn)
     seq, failed = 0, []
     interval = 1.0 / rate if rate else 0.0

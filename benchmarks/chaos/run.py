@@ -4,7 +4,8 @@
     python -m benchmarks.chaos [scenario ...] [--tasks N] [--minutes M] [--quick]
     python benchmarks/chaos/run.py kill --tasks 5000    # from the repo root: the same
 
-Scenarios: kill, handoff, long, dbrestart, listenkill, poison, load, snapshot, failover, atomic
+Scenarios: kill, handoff, long, dbrestart, listenkill, poison, load, snapshot, failover, atomic,
+dumps
 (default: all).
 The exit status is 0 when every scenario passed.
 """
@@ -29,6 +30,7 @@ if __package__ in (None, ""):  # run as a file: hand over to `python -m benchmar
 from benchmarks.chaos import (  # noqa: E402
     atomic,
     celery_scenarios,
+    dumps,
     failover,
     kombu_scenarios,
     procs,
@@ -49,6 +51,7 @@ SCENARIOS = [
     "snapshot",
     "failover",
     "atomic",
+    "dumps",
 ]
 
 
@@ -119,6 +122,8 @@ def run_one(ctx: Context, name: str, args: argparse.Namespace) -> Result:
             result = kombu_scenarios.load(ctx, args.rate, args.vacuum_every)
         elif name == "snapshot":
             result = snapshot.snapshot(ctx, args.vacuum_every, args.hold, args.paired)
+        elif name == "dumps":
+            result = dumps.dumps(ctx, args.vacuum_every, min(args.rate, 400.0))
         elif name == "failover":
             result = failover.failover(ctx)
         elif name == "atomic":

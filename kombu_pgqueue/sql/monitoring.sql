@@ -337,7 +337,7 @@ SELECT
     g.gen,
     g.state,
     coalesce(pg_total_relation_size(
-        to_regclass(format('%%I.%%I', %(schema)s::text, 'message_store_' || g.gen))
+        to_regclass(format('%%I.%%I', %(schema)s::text, g.relname))
     ), 0),
     g.blocked_by,
     extract(EPOCH FROM coalesce(%(now)s::timestamptz, now()) - g.blocked_since)::float8,

@@ -750,15 +750,14 @@ FROM {schema}.rotation AS r
 CROSS JOIN LATERAL (
     SELECT
         s.last_value AS gen,
-        to_regclass(format(
-            '%%I.%%I', {schema}.schema_name(), 'message_store_' || s.last_value
-        )) AS rel
+        {schema}.generation_table(s.last_value) AS rel
     FROM {schema}.generation_seq AS s
 ) AS c;
 
 -- name: rotate :one
 -- One step of the storage's rotation, %(step)s, by whichever consumer calls first
--- (migration 0012 says what each step does). Runs as the schema's owner.
+-- (function rotate_<step>, migration 0016, says what each does). Runs as the schema's
+-- owner.
 SELECT rotated, moved, emptied, dropped
 FROM {schema}.rotate(
     %(step)s, %(channel)s, %(max_age)s, %(min_age)s, %(dead_limit)s, %(batch)s,

@@ -349,5 +349,5 @@ def test_an_upgrade_behind_a_dump_stops_with_its_holder_named_and_changes_nothin
         owner.rollback()
         assert current_version(db, schema) == 14
         reader.rollback()  # the dump ends
-        assert migrate(owner, schema) == [15]
+        assert migrate(owner, schema, to=15) == [15]
     assert current_version(db, schema) == 15

@@ -1,8 +1,9 @@
-"""Storage that rotates (migration 0012): messages live in generations, and one that holds
-nothing live is emptied by TRUNCATE whatever snapshot another session holds; one that a
-reader holds a lock on (pg_dump) is left, without a wait in front of the claims, until
-that reader ends. A message that would keep an old generation alive moves forward, and
-dedup keys hold across generations.
+"""Storage that rotates (migrations 0012, 0016): messages live in generations, and one that
+holds nothing live is emptied by TRUNCATE once no snapshot that may see its rows is held;
+one that a reader holds a lock on (pg_dump) is left, without a wait in front of the
+claims, until that reader ends. An emptied generation's table is kept and reused, never
+dropped. A message that would keep an old generation alive moves forward, and dedup keys
+hold across generations.
 
 Each rotation here is one call of ``Store.rotate`` (what a consumer runs every
 ``rotate_interval``), with ``generation_max_age=0`` so that every call starts a new
@@ -62,6 +63,38 @@ def _partition_exists(db: psycopg.Connection, schema: str, gen: int) -> bool:
     return bool(row.fetchone()[0])  # type: ignore[index]
 
 
+def _spares(db: psycopg.Connection, schema: str) -> set[str]:
+    """The tables kept for reuse: each exists, and is attached nowhere."""
+    rows = db.execute(
+        sql.SQL(
+            "SELECT s.relname, to_regclass(format('%%I.%%I', %s::text, s.relname)) IS NOT NULL,"
+            " EXISTS (SELECT 1 FROM pg_inherits AS i"
+            "         WHERE i.inhrelid = to_regclass(format('%%I.%%I', %s::text, s.relname)))"
+            " FROM {} AS s"
+        ).format(sql.Identifier(schema, "spare")),
+        (schema, schema),
+    ).fetchall()
+    assert all(exists and not attached for _, exists, attached in rows), rows
+    return {name for name, _, _ in rows}
+
+
+def _tables(db: psycopg.Connection, schema: str) -> set[str]:
+    rows = db.execute(
+        "SELECT c.relname FROM pg_class AS c JOIN pg_namespace AS n ON n.oid = c.relnamespace"
+        " WHERE n.nspname = %s AND c.relkind IN ('r', 'p')",
+        (schema,),
+    ).fetchall()
+    return {name for (name,) in rows}
+
+
+def _relnames(db: psycopg.Connection, schema: str) -> list[str]:
+    """The tables the generations are in now."""
+    query = sql.SQL("SELECT relname FROM {} ORDER BY gen").format(
+        sql.Identifier(schema, "generation")
+    )
+    return [name for (name,) in db.execute(query).fetchall()]
+
+
 def _bytes(db: psycopg.Connection, schema: str, gen: int) -> int:
     row = db.execute(
         "SELECT pg_total_relation_size(%s::regclass)", (f'"{schema}".message_store_{gen}',)
@@ -92,24 +125,75 @@ def _gen_of(db: psycopg.Connection, schema: str, where: str, *params: Any) -> li
     return [gen for (gen,) in db.execute(query, params).fetchall()]
 
 
-def test_a_drained_generation_is_emptied_while_a_snapshot_is_held(
+def test_a_drained_generation_waits_for_a_snapshot_that_may_see_its_rows(
     rotating: Connection, holder: psycopg.Connection, db: psycopg.Connection, schema: str
 ) -> None:
+    """TRUNCATE is not MVCC-safe: a generation emptied under a snapshot older than the
+    acks that drained it would look empty to that snapshot, so a dump that had not locked
+    it yet would miss messages that were waiting when it began. It waits for that
+    snapshot to end; claims skip it meanwhile; then it is emptied, and its table is kept
+    for the next generation, never dropped."""
     _publish(rotating, 300)
     holder.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
     holder.execute("SELECT count(*) FROM pg_class").fetchone()  # the snapshot is taken
     _store(rotating).rotate()  # generation 2 is current; the 300 are in 1
     assert len(_drain(rotating)) == 300
-    # VACUUM could not remove a row of them now: the snapshot is older
-    assert _bytes(db, schema, 1) > 8192 * 4
+    for _ in range(3):
+        _store(rotating).rotate()  # 1 is drained, and would be emptied but for the snapshot
 
-    _store(rotating).rotate()  # 3 is current: 1 is two behind, empty, and goes
-
-    assert 1 not in _generations(db, schema)
-    assert not _partition_exists(db, schema, 1)
-    assert holder.execute("SELECT 1").fetchone() == (1,)  # the snapshot is still held
+    assert _generations(db, schema)[1] == "drained"
+    # the snapshot, as a dump's COPY reads each table, still sees every message it saw
+    seen = sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(schema, "message_store"))
+    assert holder.execute(seen).fetchone() == (300,)
     _publish(rotating, 1)
-    assert _drain(rotating) == [{"i": 0}]
+    assert _drain(rotating) == [{"i": 0}]  # claims skip it meanwhile
+
+    holder.rollback()  # the snapshot ends
+    _store(rotating).rotate()
+    assert 1 not in _generations(db, schema)
+    assert _partition_exists(db, schema, 1)
+    spares = _spares(db, schema)
+    assert "message_store_1" in spares
+    tables = _tables(db, schema)
+    for _ in range(3):
+        _store(rotating).rotate()
+    # the next generations took spares: a table is created only when none is left
+    assert _tables(db, schema) == tables
+    taken = spares - _spares(db, schema)
+    assert taken and taken <= set(_relnames(db, schema))
+    _publish(rotating, 2)
+    assert len(_drain(rotating)) == 2
+
+
+def test_tables_listed_by_a_session_all_exist_after_generations_turn(
+    rotating: Connection, holder: psycopg.Connection, schema: str
+) -> None:
+    """What pg_dump, vacuumdb or a schema inspector does: list the tables, then lock each.
+    Generations turn through several between the two, and every listed table is there."""
+    store = _store(rotating)
+    for _ in range(4):  # a few generations, some emptied
+        _publish(rotating, 20)
+        store.rotate()
+        assert len(_drain(rotating)) == 20
+    listed = [
+        name
+        for (name,) in holder.execute(
+            "SELECT c.relname FROM pg_class AS c JOIN pg_namespace AS n"
+            " ON n.oid = c.relnamespace WHERE n.nspname = %s AND c.relkind IN ('r', 'p')",
+            (schema,),
+        ).fetchall()
+    ]
+    holder.commit()
+    assert sum(name.startswith("message_store_") for name in listed) >= 3
+    for _ in range(12):  # generations drain, are emptied and recycled
+        _publish(rotating, 20)
+        store.rotate()
+        assert len(_drain(rotating)) == 20
+    with holder.transaction():
+        for name in listed:
+            holder.execute(
+                sql.SQL("LOCK TABLE {} IN ACCESS SHARE MODE").format(sql.Identifier(schema, name))
+            )
 
 
 def test_a_generation_a_reader_holds_a_lock_on_waits_for_it_and_claims_do_not(
@@ -157,7 +241,7 @@ def test_a_generation_a_reader_holds_a_lock_on_waits_for_it_and_claims_do_not(
 
     _store(rotating).rotate()  # the reader ended
     assert 1 not in _generations(db, schema)
-    assert not _partition_exists(db, schema, 1)
+    assert "message_store_1" in _spares(db, schema)  # kept for the next generation
     assert storage_waits(monitor.generations()) is None
     assert _metric(monitor, "pgqueue_storage_waiting_bytes") == 0
 
@@ -292,8 +376,8 @@ def test_a_generation_a_snapshot_kept_from_vacuum_starts_the_next_once_the_snaps
     assert _current(db, schema) > held  # started because the snapshot ended, not for age
     _rotation_due(db, schema)
     store.rotate()  # and again: the held one is older than the previous one now
-    assert held not in _generations(db, schema)  # it held nothing: emptied and dropped
-    assert not _partition_exists(db, schema, held)
+    assert held not in _generations(db, schema)  # it held nothing: emptied, kept for reuse
+    assert f"message_store_{held}" in _spares(db, schema)
     _rotation_due(db, schema)
     store.rotate()
     assert store.current.rotations_due == 0  # from now on, by age (or size, dead rows)
