@@ -27,6 +27,8 @@ send a due time twice. Settings (``app.conf``):
 * ``pgqueue_beat_idle_session_timeout`` (10.0 s): the server ends the session of a beat
   silent for this long (host or network lost), which frees the lead (PostgreSQL 14+).
 * ``pgqueue_beat_node`` (``host:pid``): the name ``celery pgqueue schedule list`` shows.
+* ``pgqueue_beat_exclusive`` (True): False makes every beat send as if it led, with no
+  lock; the guard alone then keeps each due time to one send (the tests show it so).
 
 docs/periodic-tasks.md has the bounds these give.
 """
@@ -71,6 +73,8 @@ class Scheduler(beat.Scheduler):  # type: ignore[misc]  # Celery is untyped
         self.late_after = setting["pgqueue_beat_late_after"]
         self.catch_up = setting["pgqueue_beat_catch_up"]
         self.node = conf.get("pgqueue_beat_node") or f"{socket.gethostname()}:{os.getpid()}"
+        exclusive = conf.get("pgqueue_beat_exclusive")
+        self.exclusive = True if exclusive is None else bool(exclusive)
         self.clock = clock or Clock()
         self._fixed_clock = clock is not None
         connection = app.connection_for_write()
@@ -126,7 +130,7 @@ class Scheduler(beat.Scheduler):  # type: ignore[misc]  # Celery is untyped
                         ", ".join(synced.removed) or "-",
                     )
                 self._unsynced = None
-            leading = self.session.lead(self.clock.now)
+            leading = self.session.lead(self.clock.now) if self.exclusive else True
             if leading != self._was_leading:
                 logger.info("beat: %s %s", self.node, "leads" if leading else "no longer leads")
                 self._was_leading = leading

@@ -5,8 +5,10 @@
 no result backend, scheduler ``celery_pgqueue.beat:Scheduler`` (``PGQUEUE_SCHEDULER``
 names another, such as Celery's own ``celery.beat:PersistentScheduler``), and, with
 ``PGQUEUE_EVERY`` set, one ``beat_schedule`` entry ``tick`` that sends ``periodic.tick``
-every that many seconds. Nothing consumes the queue: the tests count the messages the
-beats sent, by the entry and due time in their headers.
+every that many seconds; ``PGQUEUE_NODE`` is the beat's node name
+(``pgqueue_beat_node``), ``PGQUEUE_EXCLUSIVE=0`` lets every beat send (no lead). The
+other pgqueue_beat_* settings keep their defaults. Nothing consumes the queue: the
+tests count the messages the beats sent, by the entry and due time in their headers.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ def make_app(
     *,
     every: float | None = None,
     scheduler: str = SCHEDULER,
+    node: str | None = None,
+    exclusive: bool = True,
     conf: Mapping[str, Any] | None = None,
 ) -> Celery:
     app = celery_app(
@@ -38,6 +42,8 @@ def make_app(
             "beat_scheduler": scheduler,
             "task_ignore_result": True,
             "result_expires": None,
+            "pgqueue_beat_exclusive": exclusive,
+            **({"pgqueue_beat_node": node} if node else {}),
             **(conf or {}),
         },
     )
@@ -58,6 +64,8 @@ def app_from_environment(env: Mapping[str, str] = os.environ) -> Celery:
         env["PGQUEUE_SCHEMA"],
         every=float(every) if every else None,
         scheduler=env.get("PGQUEUE_SCHEDULER") or SCHEDULER,
+        node=env.get("PGQUEUE_NODE") or None,
+        exclusive=env.get("PGQUEUE_EXCLUSIVE", "1") != "0",
     )
 
 
