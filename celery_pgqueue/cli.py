@@ -12,6 +12,7 @@
     celery -A proj pgqueue purge QUEUE... --yes
     celery -A proj pgqueue delete QUEUE... --yes
     celery -A proj pgqueue metrics [--port 9808] [--schema S] [--interval 10] [--cap 10000]
+    celery -A proj pgqueue schedule list|add|pause|resume|remove ...   (_cli_schedule)
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from kombu_pgqueue.exceptions import PgQueueError
 
 from ._cli_common import broker_of, table
 from ._cli_dead import dead, parse_duration
+from ._cli_schedule import schedule
 from ._worker import transport_hint
 
 
@@ -289,5 +291,6 @@ def metrics(
 
 
 pgqueue.add_command(dead)
+pgqueue.add_command(schedule)
 
 __all__ = ["dead", "parse_duration", "pgqueue", "table"]
