@@ -59,6 +59,11 @@ DEFAULTS = {
 }
 
 
+def _idle_timeout(setting: dict[str, float]) -> float:
+    timeout = setting["pgqueue_beat_idle_session_timeout"]
+    return max(timeout, 3 * setting["pgqueue_beat_poll_interval"]) if timeout > 0 else 0.0
+
+
 class Scheduler(beat.Scheduler):  # type: ignore[misc]  # Celery is untyped
     """Celery's scheduler API over the broker's database (see the module docstring).
 
@@ -87,7 +92,9 @@ class Scheduler(beat.Scheduler):  # type: ignore[misc]  # Celery is untyped
             broker.schema,
             self.node,
             auto_migrate=broker.options.auto_migrate,
-            idle_session_timeout=setting["pgqueue_beat_idle_session_timeout"],
+            # a live beat talks to the server every poll interval at least: never end
+            # its session for being quiet that long
+            idle_session_timeout=_idle_timeout(setting),
         )
         #: beat_schedule as stored, until a tick has written it to the database
         self._unsynced: list[EntrySpec] | None = None

@@ -17,7 +17,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 from wsgiref.simple_server import WSGIServer
 
@@ -29,6 +29,7 @@ from prometheus_client.registry import Collector
 
 from kombu_pgqueue import admin
 from kombu_pgqueue.admin import DEFAULT_CAP, Generation, Monitor, QueueDepth, TableSize
+from kombu_pgqueue.schedule import Entry, Leader
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +98,8 @@ class Snapshot:
     depths: list[QueueDepth]
     tables: list[TableSize]
     generations: list[Generation]
+    periodic: list[Entry] = field(default_factory=list)
+    leader: Leader | None = None
 
 
 def _storage(generations: list[Generation]) -> Iterator[Metric]:
@@ -120,6 +123,37 @@ def _storage(generations: list[Generation]) -> Iterator[Metric]:
     )
     held.add_metric([], max((g.blocked_seconds or 0.0 for g in waiting), default=0.0))
     yield from (states, space, held)
+
+
+def _beat(entries: list[Entry], leader: Leader | None) -> Iterator[Metric]:
+    """celery_pgqueue.beat: whether a beat leads (and which), and each entry's sends,
+    late ones apart (later than the sending beat's pgqueue_beat_late_after)."""
+    leading = _gauge("pgqueue_beat_leading", "1 if a beat leads (sends periodic tasks).")
+    leading.add_metric([], 0.0 if leader is None else 1.0)
+    which = _gauge("pgqueue_beat_leader", "1 for the node of the leading beat.", "node")
+    if leader is not None:
+        which.add_metric([leader.node], 1.0)
+    yield from (leading, which)
+    if not entries:
+        return
+    sends = CounterMetricFamily(
+        "pgqueue_beat_sends", "Due times of a periodic entry sent.", labels=["entry"]
+    )
+    late = CounterMetricFamily(
+        "pgqueue_beat_late_sends",
+        "Due times of a periodic entry sent later than pgqueue_beat_late_after.",
+        labels=["entry"],
+    )
+    lateness = _gauge(
+        "pgqueue_beat_last_lateness_seconds",
+        "Seconds between the last send of a periodic entry and its due time.",
+        "entry",
+    )
+    for entry in entries:
+        sends.add_metric([entry.name], entry.total_run_count)
+        late.add_metric([entry.name], entry.late_count)
+        lateness.add_metric([entry.name], entry.last_lateness or 0.0)
+    yield from (sends, late, lateness)
 
 
 class PgQueueCollector(Collector):
@@ -162,12 +196,21 @@ class PgQueueCollector(Collector):
                 depths = self.monitor.queue_depths()
                 tables = self.monitor.table_sizes()
                 generations = self.monitor.generations()
+                periodic = self.monitor.periodic_entries()
+                leader = self.monitor.beat_leader()
             except Exception as exc:  # the database may be down: say so, serve counters
                 logger.warning("pgqueue metrics: monitoring queries failed: %r", exc)
                 self._last = Snapshot(False, self._clock() - started, started, [], [], [])
             else:
                 self._last = Snapshot(
-                    True, self._clock() - started, started, depths, tables, generations
+                    True,
+                    self._clock() - started,
+                    started,
+                    depths,
+                    tables,
+                    generations,
+                    periodic,
+                    leader,
                 )
             return self._last
 
@@ -222,6 +265,7 @@ class PgQueueCollector(Collector):
             dead.add_metric([table.table], table.dead_rows)
         yield from (size, live, dead)
         yield from _storage(snap.generations)
+        yield from _beat(snap.periodic, snap.leader)
 
     def _counters(self) -> Iterator[Metric]:
         counts = admin.counters()

@@ -13,6 +13,7 @@ from datetime import datetime
 from typing import Any
 
 from ._store import Store
+from .schedule import Entry, Leader
 
 #: Counts up to this many messages per queue are exact; beyond, they are estimates.
 DEFAULT_CAP = 10_000
@@ -158,3 +159,16 @@ class Monitor:
             )
             for row in rows
         ]
+
+    def periodic_entries(self) -> list[Entry]:
+        """The periodic entries (celery_pgqueue.beat), paused ones too, with their counts."""
+        rows = self.store._rows("periodic_entries", {"enabled_only": False})
+        return [Entry.from_row(row) for row in rows]
+
+    def beat_leader(self) -> Leader | None:
+        """The leading beat, or None while none leads."""
+        rows = self.store._rows("beat_leader", {"schema": self.store.schema})
+        if not rows:
+            return None
+        node, pid, since = rows[0]
+        return Leader(node=node, backend_pid=int(pid), since=since)

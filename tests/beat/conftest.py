@@ -3,62 +3,18 @@ real ``celery beat`` processes, and the sends counted in the broker's tables."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
-from typing import Any
 
-import psycopg
 import pytest
 from celery import Celery
 from celery_workers import Workers, workers
-from periodic_app import make_app
-from psycopg import sql
+from periodic_app import HERE, make_app, process_env
 
 import kombu_pgqueue
 from kombu_pgqueue import admin
-
-HERE = Path(__file__).resolve().parent
-
-
-def process_env(dsn: str, schema: str, **settings: Any) -> dict[str, str]:
-    """The environment of ``celery -A periodic_app ...``; ``settings`` are ``PGQUEUE_*``
-    variables without the prefix, in lower case."""
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(
-            [str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")]
-        ).rstrip(os.pathsep),
-        "PGQUEUE_DSN": dsn,
-        "PGQUEUE_SCHEMA": schema,
-    }
-    env.update({f"PGQUEUE_{key.upper()}": str(value) for key, value in settings.items()})
-    return env
-
-
-@dataclass(frozen=True, slots=True)
-class Sent:
-    """A message a beat sent: its entry, its due time and when it was stored."""
-
-    entry: str
-    due: datetime
-    stored: datetime
-
-
-def sent(db: psycopg.Connection, schema: str) -> list[Sent]:
-    """Every periodic send in the schema's queues, by due time."""
-    rows = db.execute(
-        sql.SQL(
-            "SELECT headers->>'pgqueue_beat_entry', (headers->>'pgqueue_beat_due')::timestamptz,"
-            " created_at FROM {} WHERE headers->>'pgqueue_beat_entry' IS NOT NULL"
-            " ORDER BY 2, 1"
-        ).format(sql.Identifier(schema, "message_store"))
-    ).fetchall()
-    return [Sent(*row) for row in rows]
 
 
 @pytest.fixture

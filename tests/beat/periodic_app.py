@@ -15,12 +15,68 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
 
+import psycopg
 from celery import Celery
 from celery_apps import celery_app, lazy_app
+from psycopg import sql
+
+from kombu_pgqueue.schedule import EntrySpec, Missed
 
 SCHEDULER = "celery_pgqueue.beat:Scheduler"
+HERE = Path(__file__).resolve().parent
+#: the moved clock's start in the in-process tests
+T0 = datetime(2027, 1, 4, 12, 0, 0, tzinfo=timezone.utc)
+
+
+def every(name: str, seconds: float, missed: Missed = "once") -> EntrySpec:
+    """An entry sending ``periodic.tick`` every ``seconds``."""
+    return EntrySpec(
+        name=name,
+        task="periodic.tick",
+        schedule={"kind": "interval", "every": seconds, "relative": False},
+        missed=missed,
+    )
+
+
+def process_env(dsn: str, schema: str, **settings: Any) -> dict[str, str]:
+    """The environment of ``celery -A periodic_app ...``; ``settings`` are ``PGQUEUE_*``
+    variables without the prefix, in lower case."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(
+            [str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")]
+        ).rstrip(os.pathsep),
+        "PGQUEUE_DSN": dsn,
+        "PGQUEUE_SCHEMA": schema,
+    }
+    env.update({f"PGQUEUE_{key.upper()}": str(value) for key, value in settings.items()})
+    return env
+
+
+@dataclass(frozen=True, slots=True)
+class Sent:
+    """A message a beat sent: its entry, its due time and when it was stored."""
+
+    entry: str
+    due: datetime
+    stored: datetime
+
+
+def sent(db: psycopg.Connection, schema: str) -> list[Sent]:
+    """Every periodic send in the schema's queues, by due time."""
+    rows = db.execute(
+        sql.SQL(
+            "SELECT headers->>'pgqueue_beat_entry', (headers->>'pgqueue_beat_due')::timestamptz,"
+            " created_at FROM {} WHERE headers->>'pgqueue_beat_entry' IS NOT NULL"
+            " ORDER BY 2, 1"
+        ).format(sql.Identifier(schema, "message_store"))
+    ).fetchall()
+    return [Sent(*row) for row in rows]
 
 
 def make_app(

@@ -19,7 +19,7 @@ from pathlib import Path
 import psycopg
 import pytest
 from celery_workers import Worker, Workers
-from conftest import HERE, process_env, sent
+from periodic_app import HERE, process_env, sent
 from psycopg import sql
 from waiting import wait_for
 

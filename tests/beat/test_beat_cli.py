@@ -12,7 +12,7 @@ from subprocess import CompletedProcess
 import psycopg
 import pytest
 from celery_workers import Workers
-from conftest import HERE, process_env, sent
+from periodic_app import HERE, process_env, sent
 from waiting import wait_for
 
 from kombu_pgqueue import admin

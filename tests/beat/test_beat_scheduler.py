@@ -18,16 +18,13 @@ import pytest
 from celery import Celery
 from celery.beat import ScheduleEntry
 from celery.schedules import crontab
-from conftest import sent
-from periodic_app import make_app
+from periodic_app import T0, every, make_app, sent
 from waiting import wait_for
 
 from celery_pgqueue._schedules import Clock, to_json
 from celery_pgqueue.beat import Scheduler
 from kombu_pgqueue import admin
-from kombu_pgqueue.schedule import BeatSession, EntrySpec
-
-T0 = datetime(2027, 1, 4, 12, 0, 0, tzinfo=timezone.utc)
+from kombu_pgqueue.schedule import BeatSession
 
 
 @pytest.fixture
@@ -44,15 +41,6 @@ def scheduler(periodic: Celery, clock: Clock) -> Iterator[Scheduler]:
         yield found
     finally:
         found.close()
-
-
-def every(name: str, seconds: float, **options: object) -> EntrySpec:
-    return EntrySpec(
-        name=name,
-        task="periodic.tick",
-        schedule={"kind": "interval", "every": seconds, "relative": False},
-        **options,  # type: ignore[arg-type]
-    )
 
 
 def run_until(scheduler: Scheduler, clock: Clock, end: datetime, step: timedelta) -> None:
