@@ -5,7 +5,7 @@
     python benchmarks/chaos/run.py kill --tasks 5000    # from the repo root: the same
 
 Scenarios: kill, handoff, long, dbrestart, listenkill, poison, load, snapshot, failover, atomic,
-dumps
+dumps, beat
 (default: all).
 The exit status is 0 when every scenario passed.
 """
@@ -29,6 +29,7 @@ if __package__ in (None, ""):  # run as a file: hand over to `python -m benchmar
 
 from benchmarks.chaos import (  # noqa: E402
     atomic,
+    beat,
     celery_scenarios,
     dumps,
     failover,
@@ -52,6 +53,7 @@ SCENARIOS = [
     "failover",
     "atomic",
     "dumps",
+    "beat",
 ]
 
 
@@ -128,6 +130,8 @@ def run_one(ctx: Context, name: str, args: argparse.Namespace) -> Result:
             result = failover.failover(ctx)
         elif name == "atomic":
             result = atomic.atomic(ctx)
+        elif name == "beat":
+            result = beat.beat(ctx)
         elif name in ("dbrestart", "listenkill"):
             result = getattr(server_scenarios, name)(ctx)
         else:
