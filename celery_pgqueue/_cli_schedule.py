@@ -19,6 +19,7 @@ from datetime import datetime
 from typing import Any
 
 import click
+from celery.exceptions import ImproperlyConfigured
 
 from kombu_pgqueue.schedule import Entry, EntrySpec, Leader
 
@@ -54,7 +55,7 @@ def _next_run(app: Any, entry: Entry, clock: Clock) -> datetime | None:
         return None
     try:
         return next_due(from_json(entry.schedule, app, clock), entry.last_due, clock)
-    except (ValueError, KeyError, ImportError):  # solar without ephem, an unknown kind
+    except (ValueError, KeyError, ImproperlyConfigured):  # solar without ephem, a bad entry
         return None
 
 
@@ -215,8 +216,12 @@ def add(
         missed="skip" if missed == "skip" else "once",
     )
     if spec.schedule["kind"] != "interval":  # what a beat would refuse, refused now
-        clock = Clock()
-        from_json(spec.schedule, ctx.obj.app, clock)
+        try:
+            from_json(spec.schedule, ctx.obj.app, Clock())
+        except ImproperlyConfigured as exc:  # solar needs ephem
+            raise click.ClickException(f"{describe(spec.schedule)}: {exc}") from exc
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="--crontab/--solar") from exc
     broker = broker_of(ctx)
     known = {e.name for e in broker.periodic_entries()}
     changed = broker.save_periodic(spec)

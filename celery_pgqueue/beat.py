@@ -103,6 +103,8 @@ class Scheduler(beat.Scheduler):  # type: ignore[misc]  # Celery is untyped
         #: (name, revision) -> schedule object
         self._schedules: dict[tuple[str, int], BaseSchedule] = {}
         self._was_leading = False
+        #: (name, revision) of entries whose schedule failed, logged once each
+        self._broken: set[tuple[str, int]] = set()
         super().__init__(app, *args, **kwargs)
 
     # -- Celery's Scheduler API ----------------------------------------------------------
@@ -155,11 +157,13 @@ class Scheduler(beat.Scheduler):  # type: ignore[misc]  # Celery is untyped
         now = self.clock.now
         sleep = self.poll_interval
         for entry in self._entries:
-            sched = self._schedule(entry)
             try:
+                sched = self._schedule(entry)
                 dues, following = due_times(sched, entry.last_due, self.clock)
-            except (ValueError, OverflowError):
-                logger.exception("beat: entry %r: its schedule has no next due time", entry.name)
+            except Exception:  # one broken entry (solar without ephem) stops no other
+                if (entry.name, entry.revision) not in self._broken:
+                    self._broken.add((entry.name, entry.revision))
+                    logger.exception("beat: entry %r cannot be scheduled; skipped", entry.name)
                 continue
             if dues and (now - dues[0]).total_seconds() > self.catch_up:
                 # missed while no beat ran: the newest once, or none

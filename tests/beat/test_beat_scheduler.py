@@ -24,7 +24,7 @@ from waiting import wait_for
 from celery_pgqueue._schedules import Clock, to_json
 from celery_pgqueue.beat import Scheduler
 from kombu_pgqueue import admin
-from kombu_pgqueue.schedule import BeatSession
+from kombu_pgqueue.schedule import BeatSession, EntrySpec
 
 
 @pytest.fixture
@@ -266,3 +266,26 @@ def test_a_crontab_across_a_dst_change_fires_as_celerys_own_scheduler(
 def _fields(cron: crontab) -> dict[str, object]:
     stored = to_json(cron)
     return {k: v for k, v in stored.items() if k != "kind"}
+
+
+def test_an_entry_that_cannot_be_scheduled_stops_no_other(
+    broker: admin.Broker,
+    scheduler: Scheduler,
+    clock: Clock,
+    db: psycopg.Connection,
+    schema: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    broker.save_periodic(every("good", 1.0), now=T0)
+    broken = {"kind": "solar", "event": "sunset", "lat": 48.85, "lon": 2.35}
+    broker.save_periodic(EntrySpec(name="broken", task="periodic.tick", schedule=broken), now=T0)
+    bad_cron = {"kind": "crontab", "minute": "61"}
+    broker.save_periodic(EntrySpec(name="cron", task="periodic.tick", schedule=bad_cron), now=T0)
+    run_until(scheduler, clock, T0 + timedelta(seconds=3), timedelta(seconds=1))
+    assert dues(db, schema, "good") == [T0 + timedelta(seconds=s) for s in (1, 2, 3)]
+    assert [s.entry for s in sent(db, schema)] == ["good"] * 3
+    logged = [r.getMessage() for r in caplog.records if "cannot be scheduled" in r.getMessage()]
+    assert sorted(logged) == [  # once each, not at every tick
+        "beat: entry 'broken' cannot be scheduled; skipped",
+        "beat: entry 'cron' cannot be scheduled; skipped",
+    ]
