@@ -3,7 +3,7 @@
 .. code-block:: console
 
     celery -A proj beat -S celery_pgqueue.beat:Scheduler      # on every node
-    celery -A proj worker -B -S celery_pgqueue.beat:Scheduler  # or inside workers
+    celery -A proj worker -B --scheduler celery_pgqueue.beat:Scheduler  # or in workers
 
 or ``app.conf.beat_scheduler = "celery_pgqueue.beat:Scheduler"``. Every beat syncs
 ``beat_schedule`` into the database at its start; ``celery pgqueue schedule ...`` and
