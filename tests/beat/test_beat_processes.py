@@ -128,3 +128,21 @@ def test_celerys_own_scheduler_sends_every_due_time_twice_from_two_beats(
     elapsed = (db.execute("SELECT clock_timestamp()").fetchone()[0] - first).total_seconds()  # type: ignore[index]
     # one send per second would take 11 s; two beats take about half of that
     assert elapsed < 8.0, f"12 sends in {elapsed:.1f}s: not duplicated?"
+
+
+def test_a_worker_with_embedded_beat_leads_and_sends(
+    dsn: str, schema: str, periodic: object, broker: admin.Broker, db: psycopg.Connection,
+    beats: Workers, tmp_path: Path,
+) -> None:  # fmt: skip
+    # `celery worker -B`: the scheduler runs in the worker's beat thread; the app's
+    # beat_scheduler names it, as `--scheduler` would
+    worker = beats.run(
+        "worker", ["-A", "periodic_app", "worker", "-B", "-Q", "unused", "-c", "1", "-l", "info",
+                   "-s", str(tmp_path / "w.db"), "--without-mingle", "--without-gossip"],
+        cwd=HERE, env=process_env(dsn, schema, node="embedded", every=0.5),
+    )  # fmt: skip
+    leader = wait_for(broker.beat_leader, 60, "the embedded beat to lead", worker)
+    assert leader.node == "embedded"
+    wait_for(lambda: len(sent(db, schema)) >= 3, 30, "three sends", worker)
+    [entry] = broker.periodic_entries()
+    assert (entry.name, entry.origin, entry.total_run_count >= 3) == ("tick", "config", True)
