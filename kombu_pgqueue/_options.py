@@ -59,8 +59,9 @@ class Options:
     dedup_task_ids: bool = True
     relax_consumer_commits: bool = True
     auto_migrate: bool = True
-    pool_max_size: int = 8
+    pool_max_size: int = 2
     pool_timeout: float = 30.0
+    pool_max_idle: float = 30.0
     prepare_threshold: int | None = 5
     confirm_publish: bool = True
     callback_errors: str = "dead_letter"
@@ -220,6 +221,7 @@ def parse_options(transport_options: Mapping[str, Any]) -> Options:
         ("resume_seconds", 0.0),
         ("idle_inline_seconds", 0.0),
         ("pool_timeout", 0.1),
+        ("pool_max_idle", 0.5),
         ("statement_timeout", 0.0),
         ("publish_timeout", 0.0),
     ):

@@ -27,7 +27,7 @@ from . import _errors, _sql, migrations
 from ._options import Options
 
 _lock = threading.Lock()
-_pools: dict[tuple[str, int, int | None, float, float], ConnectionPool] = {}
+_pools: dict[tuple[str, int, int | None, float, float, float], ConnectionPool] = {}
 _migrated: set[tuple[str, str]] = set()
 
 
@@ -127,6 +127,7 @@ def get_pool(conninfo: str, options: Options, *, probe: bool = False) -> Connect
         options.prepare_threshold,
         options.statement_timeout,
         options.pool_timeout,
+        options.pool_max_idle,
     )
     with _lock:
         pool = _pools.get(key)
@@ -140,6 +141,7 @@ def get_pool(conninfo: str, options: Options, *, probe: bool = False) -> Connect
                         _check_writable(conn, options)
                     if fresh:
                         migrations.ensure(conn, options.schema, auto_migrate=options.auto_migrate)
+                        _repair_rotation(conn, options)
             except Exception:
                 if pool is not None:
                     del _pools[key]
@@ -147,10 +149,14 @@ def get_pool(conninfo: str, options: Options, *, probe: bool = False) -> Connect
                 raise
             _migrated.add((conninfo, options.schema))
         if pool is None:
+            # no session is kept for its own sake: an idle publisher (a web process
+            # between requests) holds none after pool_max_idle, a worker only the one
+            # its heartbeats and timers keep busy (docs/operations.md, "Connections")
             pool = ConnectionPool(
                 conninfo,
-                min_size=1,
+                min_size=0,
                 max_size=options.pool_max_size,
+                max_idle=options.pool_max_idle,
                 timeout=options.pool_timeout,
                 kwargs={"autocommit": True, "prepare_threshold": options.prepare_threshold},
                 configure=_configure(options),
@@ -160,6 +166,16 @@ def get_pool(conninfo: str, options: Options, *, probe: bool = False) -> Connect
             pool.open(wait=True, timeout=options.pool_timeout)
             _pools[key] = pool
         return pool
+
+
+def _repair_rotation(conn: psycopg.Connection, options: Options) -> None:
+    """After a restore, the generation sequence may be ahead of the generations the
+    dump held (statement rotate_repair): put it back before the first publish. A role
+    that may not run the rotation leaves it to one that may."""
+    try:
+        conn.execute(_sql.queries(options.schema)["rotate_repair"])
+    except psycopg.errors.InsufficientPrivilege:
+        pass
 
 
 def _check_writable(conn: psycopg.Connection, options: Options) -> None:

@@ -35,8 +35,9 @@ import hashlib
 import logging
 import os
 import secrets
+import select
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import psycopg
@@ -134,6 +135,33 @@ class Listener:
         self.box: AESGCM | None = None
         #: queues consumed without acks: no handoffs (a take deletes what it hands out)
         self.no_ack: set[str] = set()
+        #: what must happen before a statement of this session's: the claimer's claim
+        #: in flight answered, when the claimer shares the session (see :meth:`share`)
+        self.before_statement: Callable[[], None] | None = None
+        #: payloads psycopg received during this session's statements, while shared
+        self._received: list[str] = []
+
+    def _free(self) -> None:
+        if self.before_statement is not None:
+            self.before_statement()
+
+    def share(self, before_statement: Callable[[], None]) -> None:
+        """The claimer sends its claims on this session from now on (an event loop's
+        consumer, ``_claimer``). Its reads, on the loop's readable event, are the only
+        reads of the socket: :meth:`wait` takes what they and this session's own
+        statements took in, and never reads the socket itself, which would take in a
+        claim's answer that the loop then never hears of."""
+        assert self.conn is not None
+        self.before_statement = before_statement
+        self.conn.add_notify_handler(self._note)
+
+    def unshare(self) -> None:
+        self.before_statement = None
+        if self.conn is not None:
+            self.conn.remove_notify_handler(self._note)
+
+    def _note(self, notify: psycopg.Notify) -> None:
+        self._received.append(notify.payload)
 
     def open(self) -> bool:
         """Connect if not connected; True if this opened a new session (which watches
@@ -183,6 +211,7 @@ class Listener:
         new = sorted(set(queues) - set(self.watched))
         if not new or self.conn is None:
             return Notified(self.tokens)
+        self._free()
         params = {"channel": self.options.channel, "queues": new}
         takes = [q for q in new if q not in self.no_ack] if self.box is not None else []
         waiter = {"takes": takes, "consumer": self.consumer, "secret": self.secret}
@@ -223,6 +252,7 @@ class Listener:
         if not gone or self.conn is None or self.conn.closed:
             return Notified(self.tokens)
         params = {"channel": self.options.channel, "queues": gone, "consumer": self.consumer}
+        self._free()
         self.conn.execute(self._q["unwatch"], params)
         return self.drain()
 
@@ -234,6 +264,12 @@ class Listener:
         """Block up to ``timeout`` seconds for notifications; return all that came."""
         assert self.conn is not None
         found = Notified(self.tokens, consumer=self.consumer, secret=self.secret, box=self.box)
+        if self.before_statement is not None:  # shared with the claimer (see share)
+            if timeout and not self._taken_in(found):
+                select.select([self.conn.fileno()], [], [], timeout)
+                self.conn.pgconn.consume_input()
+            self._taken_in(found)
+            return found
         for notify in self.conn.notifies(timeout=timeout, stop_after=1):
             found.add(notify.payload)
         if found:
@@ -245,10 +281,26 @@ class Listener:
         """Read what has arrived without blocking."""
         return self.wait(0)
 
+    def _taken_in(self, found: Notified) -> bool:
+        """Add to ``found`` the notifications already read from the socket: those the
+        claimer's reads left in libpq's queue, and those psycopg received during this
+        session's statements. Whether there were any."""
+        assert self.conn is not None
+        pgconn, encoding = self.conn.pgconn, self.conn.info.encoding
+        any_ = bool(self._received)
+        for payload in self._received:
+            found.add(payload)
+        self._received.clear()
+        while (queued := pgconn.notifies()) is not None:
+            found.add(queued.extra.decode(encoding))
+            any_ = True
+        return any_
+
     def close(self) -> None:
         if self.conn is not None and not self.conn.closed and self._pid == os.getpid():
             # stop being picked (a gone session's rows are removed by the next watch)
             with contextlib.suppress(psycopg.Error):
+                self._free()
                 queues = list(self.watched)
                 params = {"channel": self.options.channel, "consumer": self.consumer}
                 self.conn.execute(self._q["unwatch"], {**params, "queues": queues})
