@@ -65,6 +65,10 @@ class ResultSessions:
                     timeout=self.timeout,
                     close_returns=True,
                     reset=_reset,
+                    # nothing prepared on the server: the results' statements are few
+                    # a task, and a transaction pooler (PgBouncer before 1.21) would
+                    # hand one client's prepared statement to another
+                    kwargs={"prepare_threshold": None},
                     open=True,
                     name=f"pgqueue-results-{os.getpid()}",
                 )

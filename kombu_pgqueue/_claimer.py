@@ -91,13 +91,18 @@ class Claimer:
         self._store = store
         self._owns = session is None
         self._conn = _pool.connect(store.conninfo, store.options) if session is None else session
-        self._conn.execute(_pool.SESSION_SETTINGS)
+        # a session of its own through a transaction pooler is any server session: no
+        # setting and no prepared statement may stay with it (the LISTEN session is
+        # always the server's own)
+        direct = session is not None or not _pool.pooled(store.conninfo)
+        if direct:
+            self._conn.execute(_pool.SESSION_SETTINGS)
         self._pgconn = self._conn.pgconn
         self._fd = self._pgconn.socket
         self._encoding = self._conn.info.encoding
         #: statement name -> parameter keys, of those prepared on this connection
         self._prepared: dict[str, tuple[str, ...]] = {}
-        if store.options.prepare_threshold is not None:
+        if direct and store.options.prepare_threshold is not None:
             self._prepare(CLAIM_STATEMENTS)
         self._jobs: collections.deque[ClaimRequest] = collections.deque()
         #: the claim in flight

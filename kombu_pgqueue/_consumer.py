@@ -410,7 +410,7 @@ class Consumer:
         self.wakeups.news(ready)
         self.wakeups.due_passed()
         now = self.clock()
-        self._next_poll = now + self.options.polling_interval
+        self._next_poll = now + self.wakeups.poll_interval
         if now >= self._next_sweep:
             self._next_sweep = now + self.options.sweep_interval
             self.store.sweep()

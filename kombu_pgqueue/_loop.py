@@ -86,7 +86,7 @@ class LoopDriver:
             else:
                 loop.add_reader(self._claim_fd, self._on_claimed, self._claim_fd)
         loop.on_tick.add(self._on_tick)
-        self._timers.append(loop.call_repeatedly(consumer.options.polling_interval, self._poll))
+        self._timers.append(loop.call_repeatedly(consumer.wakeups.poll_interval, self._poll))
         consumer.poll_soon()
 
     def stop(self) -> None:

@@ -163,13 +163,16 @@ class Listener:
     def _note(self, notify: psycopg.Notify) -> None:
         self._received.append(notify.payload)
 
-    def open(self) -> bool:
+    def open(self) -> bool | None:
         """Connect if not connected; True if this opened a new session (which watches
-        what the last one did: notifications may have been missed in between)."""
+        what the last one did: notifications may have been missed in between), None if
+        no session can LISTEN here (``_pool.listening``)."""
         if self.conn is not None and not self.conn.closed and self._pid == os.getpid():
             return False
         # (after a fork the parent's session is not ours to use, nor to close)
-        self.conn = _pool.listening(self.conninfo, self.options)
+        self.conn = _pool.listening(self.conninfo, self.options, probe=self.conninfo)
+        if self.conn is None:
+            return None
         self._pid = os.getpid()
         queues, self.watched, self.tokens = self.watched, {}, {}
         try:
@@ -332,6 +335,8 @@ class Wakeups:
         self.conninfo = conninfo
         self.options = options
         self.listener: Listener | None = None
+        #: no session can LISTEN (a pooler took it): the consumer polls (see open)
+        self.unheard = False
         #: queues with news, not yet claimed from (a claim in flight leaves it here)
         self.pending: set[str] = set()
         #: the next due time of a delayed message (epoch seconds), and one noted since
@@ -349,15 +354,42 @@ class Wakeups:
     # -- the session ---------------------------------------------------------------------
 
     def open(self, consumed: Iterable[str]) -> bool:
-        """Listen (LISTEN off: never); True if the session is open. A new session may
-        have missed notifications: every queue in ``consumed`` counts as news."""
-        if not self.options.listen:
+        """Listen (LISTEN off, or no session can LISTEN: never); True if the session is
+        open. A new session may have missed notifications: every queue in ``consumed``
+        counts as news."""
+        if not self.options.listen or self.unheard:
             return False
         if self.listener is None:
             self.listener = Listener(self.conninfo, self.options)
-        if self.listener.open():
+        opened = self.listener.open()
+        if opened is None:
+            self.listener, self.unheard = None, True
+            if not _pool.pooled(self.conninfo) or self.options.listen_url:
+                logger.warning(
+                    "pgqueue: a NOTIFY to this consumer's LISTEN session (%s) never came "
+                    "back within %g s: a transaction pooler takes the LISTEN and drops "
+                    "what is sent to it; polling every %g s instead (set transport option "
+                    "listen_url to the server itself)",
+                    "listen_url" if self.options.listen_url else "the broker URL",
+                    _pool.LISTEN_PROBE_SECONDS,
+                    self.poll_interval,
+                )
+            return False
+        if opened:
             self.news(consumed)
         return True
+
+    @property
+    def poll_interval(self) -> float:
+        """Seconds between two safety polls: ``polling_interval``, and at most
+        POLL_WITHOUT_LISTEN when LISTEN was wanted but no session can (behind a
+        transaction pooler with no ``listen_url``)."""
+        interval = self.options.polling_interval
+        if self.unheard or (
+            self.options.listen and _pool.pooled(self.conninfo) and not self.options.listen_url
+        ):
+            return min(interval, _pool.POLL_WITHOUT_LISTEN)
+        return interval
 
     def use_store(self, conninfo: str) -> None:
         """Another host after a failover: the next session goes there."""

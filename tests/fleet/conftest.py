@@ -95,6 +95,23 @@ def fleet_worker(
 
 
 @pytest.fixture
+def fleet_worker_at(
+    schema: str, sessions: Sessions, tmp_path: Path
+) -> Iterator[Callable[..., Worker]]:
+    """``fleet_worker_at(dsn, pool="prefork", concurrency=2, **transport_options)``: as
+    :func:`fleet_worker`, on the database of ``dsn`` (a pooler's, say)."""
+    with workers(tmp_path) as started:
+
+        def spawn(
+            dsn: str, pool: str = "prefork", concurrency: int = 2, **options: object
+        ) -> Worker:
+            app = WorkerApp("fleet_app", HERE, partial(fleet_env, dsn, schema, sessions, **options))
+            return started.spawn(app, pool=pool, concurrency=concurrency, ready=True)
+
+        yield spawn
+
+
+@pytest.fixture
 def publishing(
     broker_base_url: str, schema: str, sessions: Sessions, dsn: str
 ) -> Iterator[Callable[..., subprocess.Popen[str]]]:
