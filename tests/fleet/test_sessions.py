@@ -12,8 +12,8 @@ from subprocess import Popen
 import psycopg
 import pytest
 from celery_workers import Worker
-from conftest import Sessions
 from fleet_app import make_app
+from held_sessions import Sessions
 from psycopg import sql
 from waiting import wait_for
 
