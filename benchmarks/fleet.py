@@ -215,12 +215,13 @@ def _publish(url: str, options: dict[str, Any], seconds: float, rate: float) -> 
     return n, took
 
 
-def _sessions(dsn: str) -> int:
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        row = conn.execute(
-            "SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'client backend'"
-            " AND pid <> pg_backend_pid()"
-        ).fetchone()
+def _sessions(monitor: psycopg.Connection) -> int:
+    """Client sessions of the cluster but ``monitor``'s (opened before the fleet: a full
+    server would refuse it)."""
+    row = monitor.execute(
+        "SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'client backend'"
+        " AND pid <> pg_backend_pid()"
+    ).fetchone()
     return int(row[0]) if row else 0
 
 
@@ -230,13 +231,18 @@ def _server_cpu(datadir: str) -> float:
 
 
 def _row(
-    c: Any, url: str, options: dict[str, Any], consumers: Consumers, n: int
+    c: Any,
+    monitor: psycopg.Connection,
+    url: str,
+    options: dict[str, Any],
+    consumers: Consumers,
+    n: int,
 ) -> dict[str, float]:
     consumers.grow(n)
     consumers.latencies()  # what came before
     figures: dict[str, float] = {
         "started": consumers.started,
-        "sessions": _sessions(c.dsn),
+        "sessions": _sessions(monitor),
     }
     cpu0 = _server_cpu(c.datadir)
     published, took = _publish(url, options, RATE_SECONDS, 0.0)
@@ -258,7 +264,7 @@ def bench_fleet(ctx: Ctx) -> dict[str, list[float]]:
     from pgbouncer import PgBouncer
 
     out: dict[str, list[float]] = {}
-    with cluster() as c:
+    with cluster() as c, psycopg.connect(c.dsn, autocommit=True) as monitor:
         with PgBouncer.start(c.dsn, pool_mode="transaction", pool_size=BOUNCER_POOL) as bouncer:
             targets = {
                 "direct": f"pgqueue://postgres@127.0.0.1:{c.port}/postgres",
@@ -272,7 +278,9 @@ def bench_fleet(ctx: Ctx) -> dict[str, list[float]]:
                     try:
                         for n in COUNTS:
                             log(f"  fleet {mode}: {n} idle consumers")
-                            for key, value in _row(c, targets[mode], options, consumers, n).items():
+                            for key, value in _row(
+                                c, monitor, targets[mode], options, consumers, n
+                            ).items():
                                 out.setdefault(f"fleet_{mode}_{key}_{n}", []).append(value)
                         if consumers.failures:
                             log(
