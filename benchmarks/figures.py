@@ -85,3 +85,11 @@ FIGURES = {**FIGURES, **ATOMIC_FIGURES}
 GROUPS = (*GROUPS, "atomic")
 GROUP_FIGURES = {**GROUP_FIGURES, "atomic": tuple(ATOMIC_FIGURES)}
 ONLY_FOR = {**ONLY_FOR, "atomic": frozenset({"pgqueue"})}
+
+# a fleet of idle workers within a managed server's connection limit (fleet.py)
+from .fleet import FLEET_FIGURES  # noqa: E402
+
+FIGURES = {**FIGURES, **FLEET_FIGURES}
+GROUPS = (*GROUPS, "fleet")
+GROUP_FIGURES = {**GROUP_FIGURES, "fleet": tuple(FLEET_FIGURES)}
+ONLY_FOR = {**ONLY_FOR, "fleet": frozenset({"pgqueue"})}

@@ -12,6 +12,7 @@ from .atomic_drain import bench_atomic
 from .celery_runs import bench_celery
 from .config import STEP_WATCHDOG, Ctx, log
 from .figures import ONLY_FOR
+from .fleet import bench_fleet
 from .kombu_runs import bench_kombu
 from .listeners import bench_listeners
 from .peers import Broker, close_sqla_sessions
@@ -104,6 +105,9 @@ def run_all(ctx: Ctx, groups: list[str]) -> Results:
     if "listeners" in groups and "pgqueue" in ctx.brokers:
         log("NOTIFY with many listening sessions (a throwaway cluster, --runs sweeps)")
         guarded(ctx.brokers["pgqueue"], "listeners", lambda: bench_listeners(ctx))
+    if "fleet" in groups and "pgqueue" in ctx.brokers:
+        log("a fleet of idle consumers, direct and through PgBouncer (a throwaway cluster)")
+        guarded(ctx.brokers["pgqueue"], "fleet", lambda: bench_fleet(ctx))
     if "eta_rss" in groups:
         log("worker RSS with ETA tasks (one run)")
         for b in live:

@@ -27,6 +27,7 @@ from kombu_pgqueue.embedded import broker_url
 from kombu_pgqueue.exceptions import ConfigurationError
 
 from . import (
+    _results_pool,
     _worker,  # noqa: F401 - connects its worker_init receiver
     archive,
 )
@@ -114,7 +115,12 @@ def configure(
     }
     conf.broker_connection_retry_on_startup = True
     if results:
-        conf.result_backend = result_backend_url(_results_conninfo(dsn, transport_options))
+        results_conninfo = _results_conninfo(dsn, transport_options)
+        conf.result_backend = result_backend_url(results_conninfo)
+        # its sessions from one small pool per process, closed when idle (_results_pool)
+        conf.database_engine_options = _results_pool.engine_options(
+            results_conninfo, conf.database_engine_options, transport_options
+        )
         conf.result_extended = True
         # a web process makes the backend at its first delay(), before the publish, and
         # a database not up yet then failed the call before its retry policy began

@@ -17,6 +17,13 @@ The claimer knows claims, not consumers: it takes :class:`ClaimRequest` s and ha
 :class:`ClaimResult` s. Nothing claimed is left leased and unseen: a claim in flight
 when the claimer closes is awaited, and ``close()`` returns what it brought, for the
 consumer to release.
+
+Its session is the consumer's LISTEN session when there is one (issue 43: a worker's
+sessions are its LISTEN session and its process's pool, no more): the listener's
+statements wait for the claim in flight first (:meth:`Claimer.settle`), and the
+listener reads the notifications that the claimer's reads took in
+(``_wakeups.Listener.wait``). Without one (transport option ``listen`` off) the claimer
+opens a session of its own.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import psycopg
 from psycopg import pq
 
 from . import _counters, _libpq, _pool
@@ -43,6 +51,10 @@ logger = logging.getLogger(__name__)
 #: how long close() waits for a claim in flight, to release what it claimed (after
 #: that, its leases run out by themselves)
 CLOSE_WAIT_SECONDS = 2.0
+
+
+#: seconds past statement_timeout that settle() waits for a claim's answer
+SETTLE_GRACE_SECONDS = 2.0
 
 
 #: result columns of the claim statements, and the type OID each must have
@@ -73,16 +85,24 @@ class Claimer:
     text format (the statement gives their types) and rows come back in binary.
     """
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, session: psycopg.Connection | None = None) -> None:
+        """Claims on ``session`` (the consumer's LISTEN session, which stays its
+        owner's: :meth:`close` leaves it open), or on a session of the claimer's own."""
         self._store = store
-        self._conn = _pool.connect(store.conninfo, store.options)
-        self._conn.execute(_pool.SESSION_SETTINGS)
+        self._owns = session is None
+        self._conn = _pool.connect(store.conninfo, store.options) if session is None else session
+        # a session of its own through a transaction pooler is any server session: no
+        # setting and no prepared statement may stay with it (the LISTEN session is
+        # always the server's own)
+        direct = session is not None or not _pool.pooled(store.conninfo)
+        if direct:
+            self._conn.execute(_pool.SESSION_SETTINGS)
         self._pgconn = self._conn.pgconn
         self._fd = self._pgconn.socket
         self._encoding = self._conn.info.encoding
         #: statement name -> parameter keys, of those prepared on this connection
         self._prepared: dict[str, tuple[str, ...]] = {}
-        if store.options.prepare_threshold is not None:
+        if direct and store.options.prepare_threshold is not None:
             self._prepare(CLAIM_STATEMENTS)
         self._jobs: collections.deque[ClaimRequest] = collections.deque()
         #: the claim in flight
@@ -114,6 +134,36 @@ class Claimer:
         self._jobs.append(request)
         if self._current is None:
             self._send_next(raise_errors=True)
+
+    def settle(self) -> None:
+        """Wait for the claim in flight and those queued behind it, keeping what they
+        bring for :meth:`results`: the session is free for another statement (the
+        listener's, on a shared session) when this returns. Claims take milliseconds;
+        one that waits longer is cut by the session's lock and statement timeouts."""
+        timeout = self._store.options.statement_timeout
+        bound = timeout + SETTLE_GRACE_SECONDS if timeout else None
+        while self._current is not None:
+            try:
+                while not self._collect():
+                    if not select.select([self._fd], [], [], bound)[0]:
+                        raise psycopg.OperationalError(
+                            f"pgqueue: a claim did not answer within {bound:g} s "
+                            "(statement_timeout and a grace): the session is given up"
+                        )
+                    self._pgconn.consume_input()
+                self._finish()
+            except BaseException as exc:  # noqa: BLE001 - reported with the claim
+                request, error = self._current, self._error or exc
+                self._current, self._rows, self._error, self._took = None, [], None, 0.0
+                self._buried = ()
+                assert request is not None
+                self._results.append(ClaimResult(request, [], error=error))
+            self._send_next(raise_errors=False)
+
+    @property
+    def answered(self) -> bool:
+        """Claims completed and not yet taken by :meth:`results` (see :meth:`settle`)."""
+        return bool(self._results)
 
     def results(self) -> list[ClaimResult]:
         """Every claim that completed (call when the socket is readable).
@@ -251,8 +301,9 @@ class Claimer:
             except Exception as exc:  # the database went away: the leases lapse
                 logger.debug("pgqueue: claim in flight lost at close: %r", exc)
         left, self._results = self._results, []
-        try:
-            self._conn.close()
-        except Exception:  # noqa: S110 - closing a broken connection
-            pass
+        if self._owns:
+            try:
+                self._conn.close()
+            except Exception:  # noqa: S110 - closing a broken connection
+                pass
         return [result for result in left if result.rows or result.buried]

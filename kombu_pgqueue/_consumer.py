@@ -249,10 +249,15 @@ class Consumer:
         return delivered
 
     def on_claimed(self) -> None:
-        """Deliver what the claims in flight brought (their socket is readable)."""
-        if self.claimer is None:
-            return
-        results = self.claimer.results()
+        """Deliver what the claims in flight brought (their socket is readable), and
+        what claims answered while the listener's statements waited for them."""
+        while self.claimer is not None:
+            self._claimed_results(self.claimer.results())
+            if self.claimer is None or not self.claimer.answered:
+                break
+        self.deliver_pending()
+
+    def _claimed_results(self, results: list[ClaimResult]) -> None:
         for result in results:
             sub = self._subs.get(result.request.queue)
             self._pacing.answered(None if sub is None else sub.sink, result.request.limit)
@@ -279,7 +284,6 @@ class Consumer:
                 raise
         if error is not None:
             raise error
-        self.deliver_pending()
 
     def _idle(self) -> bool:
         """Nothing claimed, held or delivered lately: claim in the loop's thread."""
@@ -361,12 +365,22 @@ class Consumer:
 
     def start_claimer(self) -> int:
         """Send claims without waiting for them from now on (an event loop's); return
-        the socket to read their answers from (see :meth:`on_claimed`)."""
-        self.claimer = Claimer(self.store)
+        the socket to read their answers from (see :meth:`on_claimed`): the LISTEN
+        session's when there is one, which the claims then share (``_claimer``)."""
+        listener = self.wakeups.listener
+        session = listener.conn if listener is not None else None
+        if session is None or session.closed:
+            self.claimer = Claimer(self.store)
+        else:
+            assert listener is not None
+            self.claimer = Claimer(self.store, session)
+            listener.share(self.claimer.settle)
         return self.claimer.fileno()
 
     def stop_claimer(self) -> None:
         claimer, self.claimer = self.claimer, None
+        if self.wakeups.listener is not None:
+            self.wakeups.listener.unshare()
         if claimer is not None:
             for result in claimer.close():
                 self.settler.release_deliveries(self.claimed(result))
@@ -396,7 +410,7 @@ class Consumer:
         self.wakeups.news(ready)
         self.wakeups.due_passed()
         now = self.clock()
-        self._next_poll = now + self.options.polling_interval
+        self._next_poll = now + self.wakeups.poll_interval
         if now >= self._next_sweep:
             self._next_sweep = now + self.options.sweep_interval
             self.store.sweep()

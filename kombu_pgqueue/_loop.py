@@ -1,7 +1,8 @@
 """How a consumer is driven: by an event loop (Celery's worker), or by blocking drains.
 
-In an event loop, the LISTEN socket and the claimer's socket are readers of the loop;
-the loop's tick callback claims what is pending; timers run the safety poll, wake the
+In an event loop, the LISTEN socket, which the claimer's claims share (one session; a
+claimer of its own when LISTEN is off), is a reader of the loop; the loop's tick
+callback claims what is pending; timers run the safety poll, wake the
 consumer when a delayed message falls due, and retry a claim put off to fill a batch.
 Outside one (``Connection.drain_events``), :func:`drain` waits on the LISTEN socket.
 """
@@ -80,15 +81,19 @@ class LoopDriver:
             loop.add_reader(self._listen_fd, self._on_notified, self._listen_fd)
         if consumer.options.async_claims:
             self._claim_fd = consumer.start_claimer()
-            loop.add_reader(self._claim_fd, self._on_claimed, self._claim_fd)
+            if self._claim_fd == self._listen_fd:  # one session: one reader for both
+                loop.add_reader(self._claim_fd, self._on_readable, self._claim_fd)
+            else:
+                loop.add_reader(self._claim_fd, self._on_claimed, self._claim_fd)
         loop.on_tick.add(self._on_tick)
-        self._timers.append(loop.call_repeatedly(consumer.options.polling_interval, self._poll))
+        self._timers.append(loop.call_repeatedly(consumer.wakeups.poll_interval, self._poll))
         consumer.poll_soon()
 
     def stop(self) -> None:
         loop = self.loop
         _remove_reader(loop, self._listen_fd)
-        _remove_reader(loop, self._claim_fd)
+        if self._claim_fd != self._listen_fd:
+            _remove_reader(loop, self._claim_fd)
         self._listen_fd = self._claim_fd = None
         self.consumer.stop_claimer()
         loop.on_tick.discard(self._on_tick)
@@ -109,8 +114,18 @@ class LoopDriver:
         self.consumer.on_claimed()
         self._arm_retry()
 
+    def _on_readable(self, fileno: int) -> None:
+        """The shared session's socket: a claim's answer, notifications, or both. The
+        claimer's read is the only read of the socket; the listener then takes the
+        notifications it took in (``_wakeups.Listener.share``)."""
+        self._on_claimed(fileno)
+        self._on_notified(fileno)
+
     def _on_tick(self) -> None:
         consumer = self.consumer
+        if consumer.claimer is not None and consumer.claimer.answered:
+            # answered while the listener's statements waited for it
+            self._on_readable(consumer.claimer.fileno())
         due = consumer.wakeups.take_new_due()  # noted outside a reader or a poll (a watch)
         if due is not None:
             self._schedule_due(due)

@@ -59,14 +59,20 @@ class Options:
     dedup_task_ids: bool = True
     relax_consumer_commits: bool = True
     auto_migrate: bool = True
-    pool_max_size: int = 8
+    pool_max_size: int = 2
     pool_timeout: float = 30.0
+    pool_max_idle: float = 30.0
     prepare_threshold: int | None = 5
     confirm_publish: bool = True
     callback_errors: str = "dead_letter"
     unroutable: str = "warn"
     statement_timeout: float = 30.0
     publish_timeout: float = 5.0
+    #: where the LISTEN session connects when the broker URL leads to a transaction
+    #: pooler (a libpq URL or key=value string of the server itself); None: the broker URL
+    listen_url: str | None = None
+    #: "auto" (find out at the first connection), "transaction" or "none"
+    pooler: str = "auto"
     libpq: Mapping[str, str] = field(default_factory=dict)
 
     @property
@@ -220,6 +226,7 @@ def parse_options(transport_options: Mapping[str, Any]) -> Options:
         ("resume_seconds", 0.0),
         ("idle_inline_seconds", 0.0),
         ("pool_timeout", 0.1),
+        ("pool_max_idle", 0.5),
         ("statement_timeout", 0.0),
         ("publish_timeout", 0.0),
     ):
@@ -245,14 +252,17 @@ def parse_options(transport_options: Mapping[str, Any]) -> Options:
     for name, choices in (
         ("unroutable", ("warn", "raise")),
         ("callback_errors", ("dead_letter", "raise")),
+        ("pooler", ("auto", "transaction", "none")),
     ):
         if topts.get(name) is not None:
             if topts[name] not in choices:
                 raise ConfigurationError(
-                    f"transport option {name!r} must be {choices[0]!r} or {choices[1]!r}, "
-                    f"got {topts[name]!r}"
+                    f"transport option {name!r} must be one of "
+                    f"{', '.join(repr(c) for c in choices)}, got {topts[name]!r}"
                 )
             kwargs[name] = topts[name]
+    if topts.get("listen_url"):
+        kwargs["listen_url"] = check_listen_url(topts["listen_url"])
     if "claim_thread" in topts and "async_claims" not in topts:
         topts["async_claims"] = topts["claim_thread"]  # its name before 2026-11-24
     for name in (f.name for f in fields(Options) if f.type == "bool"):  # the flags
@@ -312,6 +322,22 @@ def _url_gives(url: str, parse_url: Any) -> set[str]:
         return {key for key, name in names if params.get(name)}
     fields = parse_url(url)
     return {key for key in ("port", "virtual_host") if fields.get(key)}
+
+
+def check_listen_url(url: Any) -> str:
+    """Transport option ``listen_url``: a libpq URL or key=value string (``pgqueue://``
+    taken as ``postgresql://``), returned as a libpq string."""
+    text = str(url)
+    if text.startswith("pgqueue://"):
+        text = "postgresql://" + text[len("pgqueue://") :]
+    try:
+        params = pg_conninfo.conninfo_to_dict(text)
+    except Exception as exc:
+        raise ConfigurationError(
+            f"transport option 'listen_url' must be a PostgreSQL URL or key=value string "
+            f"of the server itself (not of a pooler), got {mask(text)!r}: {exc}"
+        ) from None
+    return pg_conninfo.make_conninfo("", **params)
 
 
 def connection_conninfo(connection: Any, libpq: Mapping[str, str]) -> str:

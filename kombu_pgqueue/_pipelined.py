@@ -194,12 +194,14 @@ class Pipeline:
         store.pool  # noqa: B018 - the schema is installed or checked first, as for the pool
         conn = _pool.connect(store.conninfo, store.options)
         try:
-            conn.execute(_pool.SESSION_SETTINGS)
-            conn.execute(_pool.statement_timeout(store.options))
+            direct = not _pool.pooled(store.conninfo)  # see _pool: a pooler's session
+            if direct:
+                conn.execute(_pool.SESSION_SETTINGS)
+                conn.execute(_pool.statement_timeout(store.options))
             pgconn = conn.pgconn
             self._encoding = conn.info.encoding
             self._prepared = {}
-            if store.options.prepare_threshold is not None:
+            if direct and store.options.prepare_threshold is not None:
                 self._prepared = _libpq.prepare(pgconn, store, STATEMENTS, self._encoding)
             # libpq takes an error that comes when nothing is in flight (the session
             # terminated while idle) for a notice: without this, the next publish would

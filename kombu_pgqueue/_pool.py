@@ -6,28 +6,47 @@ process; a PostgreSQL pool per Kombu connection would multiply server backends).
 After ``fork()`` the child forgets the parent's pools without closing them, since
 closing would end the parent's sessions on the shared sockets; psycopg's own
 pid check keeps the inherited objects from touching them.
+
+Behind a transaction pooler (PgBouncer, Supavisor, RDS Proxy in transaction mode) a
+client's statements go to whichever server session is free, so nothing may rely on a
+session: no statement is prepared on the server (PgBouncer before 1.21 would hand a
+statement prepared by one client to another: ``prepared statement "_pg3_0" already
+exists``), no session setting is made, and LISTEN, which a pooler cannot carry, goes to
+transport option ``listen_url`` (the server itself) or is replaced by polling. Whether
+the broker URL leads to one is found out with the first connection (:func:`pooled`):
+two clients that are served by the same server session at once can only be a pooler's.
 """
 
 from __future__ import annotations
 
 import atexit
+import logging
 import math
 import os
+import secrets
 import threading
+import time
 from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
 
 import psycopg
 from psycopg import sql
-from psycopg.conninfo import conninfo_to_dict
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg_pool import ConnectionPool
 
 from . import _errors, _sql, migrations
 from ._options import Options
 
+logger = logging.getLogger(__name__)
+
+#: seconds a LISTEN session waits for its own test NOTIFY (see :func:`listening`)
+LISTEN_PROBE_SECONDS = 2.0
+
 _lock = threading.Lock()
-_pools: dict[tuple[str, int, int | None, float, float], ConnectionPool] = {}
+#: conninfo -> whether it leads to a transaction pooler (see :func:`pooled`)
+_pooled: dict[str, bool] = {}
+_pools: dict[tuple[str, int, int | None, float, float, float], ConnectionPool] = {}
 _migrated: set[tuple[str, str]] = set()
 
 
@@ -43,7 +62,8 @@ os.register_at_fork(after_in_child=_forget_after_fork)
 def connect(conninfo: str, options: Options) -> psycopg.Connection:
     """Open a dedicated autocommit connection (errors are psycopg's, unwrapped), waiting
     for a server that does not answer at most ``publish_timeout`` (a reconnect is part
-    of a publish attempt; libpq counts whole seconds, 2 at least)."""
+    of a publish attempt; libpq counts whole seconds, 2 at least). Behind a transaction
+    pooler, nothing is prepared on it."""
     kwargs: dict[str, Any] = {}
     bound = options.publish_timeout
     if bound:
@@ -52,20 +72,76 @@ def connect(conninfo: str, options: Options) -> psycopg.Connection:
         if given is None or not 0 < int(float(str(given))) <= limit:
             kwargs["connect_timeout"] = limit
     return psycopg.connect(
-        conninfo, autocommit=True, prepare_threshold=options.prepare_threshold, **kwargs
+        conninfo, autocommit=True, prepare_threshold=prepare_threshold(conninfo, options), **kwargs
     )
 
 
-def listening(conninfo: str, options: Options) -> psycopg.Connection:
-    """A dedicated connection that LISTENs on the schema's notification channel."""
-    conn = connect(conninfo, options)
+def prepare_threshold(conninfo: str, options: Options) -> int | None:
+    """psycopg's ``prepare_threshold`` for ``conninfo``: None (never) behind a pooler."""
+    return None if _pooled.get(conninfo) else options.prepare_threshold
+
+
+def pooled(conninfo: str) -> bool:
+    """Whether ``conninfo`` leads to a transaction pooler, as found when this process
+    first opened its pool (False before that)."""
+    return _pooled.get(conninfo, False)
+
+
+def session_settings(conninfo: str) -> str | None:
+    """:data:`SESSION_SETTINGS`, or None behind a pooler (another client's statements
+    would run under them)."""
+    return None if pooled(conninfo) else SESSION_SETTINGS
+
+
+def listen_conninfo(conninfo: str, options: Options) -> str | None:
+    """Where the LISTEN session connects: ``listen_url`` if given (with this process's
+    application_name), the broker's own server otherwise, None behind a pooler."""
+    if options.listen_url:
+        params = conninfo_to_dict(options.listen_url)
+        name = conninfo_to_dict(conninfo).get("application_name")
+        if name is not None:
+            params.setdefault("application_name", name)
+        return make_conninfo("", **params)
+    return None if pooled(conninfo) else conninfo
+
+
+def listening(conninfo: str, options: Options, probe: str) -> psycopg.Connection | None:
+    """A dedicated connection that LISTENs on the schema's notification channel; None
+    when its test notification, sent from another session (``probe``, a conninfo),
+    does not come back within LISTEN_PROBE_SECONDS: a pooler in between takes the
+    LISTEN and drops what is sent to it, and waiting on it would wait for ever."""
+    target = listen_conninfo(conninfo, options)
+    if target is None:
+        return None
+    conn = connect(target, options)
     try:
         with _errors.writable():  # a standby refuses LISTEN
             conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(options.channel)))
+        if not _notify_arrives(conn, probe, options):
+            conn.close()
+            return None
     except BaseException:
         conn.close()
         raise
     return conn
+
+
+def _notify_arrives(conn: psycopg.Connection, probe: str, options: Options) -> bool:
+    """Whether a NOTIFY sent from another session reaches ``conn``."""
+    channel = f"pgqueue_probe_{secrets.token_hex(8)}"
+    conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
+    try:
+        with connect(probe, options) as sender:
+            sender.execute("SELECT pg_notify(%s, '')", (channel,))
+        deadline = time.monotonic() + LISTEN_PROBE_SECONDS
+        while (left := deadline - time.monotonic()) > 0:
+            for notify in conn.notifies(timeout=left):
+                if notify.channel == channel:
+                    return True
+        return False
+    finally:
+        if not conn.closed:
+            conn.execute(sql.SQL("UNLISTEN {}").format(sql.Identifier(channel)))
 
 
 #: Session settings of the broker's pooled connections, which run only the broker's
@@ -96,12 +172,13 @@ def statement_timeout(options: Options) -> sql.Composed:
     )
 
 
-def _configure(options: Options) -> Callable[[psycopg.Connection], None]:
+def _configure(options: Options, pooler: bool) -> Callable[[psycopg.Connection], None]:
     settings = sql.SQL("; ").join([sql.SQL(SESSION_SETTINGS), statement_timeout(options)])
 
     def configure(conn: psycopg.Connection) -> None:
         conn.autocommit = True
-        conn.execute(settings)
+        if not pooler:  # behind a pooler, they would stay with a server session
+            conn.execute(settings)
 
     return configure
 
@@ -127,6 +204,7 @@ def get_pool(conninfo: str, options: Options, *, probe: bool = False) -> Connect
         options.prepare_threshold,
         options.statement_timeout,
         options.pool_timeout,
+        options.pool_max_idle,
     )
     with _lock:
         pool = _pools.get(key)
@@ -139,7 +217,10 @@ def get_pool(conninfo: str, options: Options, *, probe: bool = False) -> Connect
                     if probe:
                         _check_writable(conn, options)
                     if fresh:
+                        if conninfo not in _pooled:
+                            _pooled[conninfo] = _find_pooler(conn, conninfo, options)
                         migrations.ensure(conn, options.schema, auto_migrate=options.auto_migrate)
+                        _repair_rotation(conn, options)
             except Exception:
                 if pool is not None:
                     del _pools[key]
@@ -147,19 +228,66 @@ def get_pool(conninfo: str, options: Options, *, probe: bool = False) -> Connect
                 raise
             _migrated.add((conninfo, options.schema))
         if pool is None:
+            # no session is kept for its own sake: an idle publisher (a web process
+            # between requests) holds none after pool_max_idle, a worker only the one
+            # its heartbeats and timers keep busy (docs/operations.md, "Connections")
             pool = ConnectionPool(
                 conninfo,
-                min_size=1,
+                min_size=0,
                 max_size=options.pool_max_size,
+                max_idle=options.pool_max_idle,
                 timeout=options.pool_timeout,
-                kwargs={"autocommit": True, "prepare_threshold": options.prepare_threshold},
-                configure=_configure(options),
+                kwargs={
+                    "autocommit": True,
+                    "prepare_threshold": prepare_threshold(conninfo, options),
+                },
+                configure=_configure(options, pooled(conninfo)),
                 open=False,
                 name=f"pgqueue-{os.getpid()}",
             )
             pool.open(wait=True, timeout=options.pool_timeout)
             _pools[key] = pool
         return pool
+
+
+def _find_pooler(conn: psycopg.Connection, conninfo: str, options: Options) -> bool:
+    """Whether ``conninfo`` leads to a transaction pooler (transport option ``pooler``,
+    or, "auto", found out): ``conn`` is idle between statements, so a pooler lends its
+    server session to the next client, and a second client served by the same session
+    as ``conn`` can only be a pooler's. Said once, in one line."""
+    if options.pooler != "auto":
+        found = options.pooler == "transaction"
+    else:
+        first = conn.execute("SELECT pg_backend_pid()").fetchone()
+        with psycopg.connect(conninfo, autocommit=True, prepare_threshold=None) as other:
+            second = other.execute("SELECT pg_backend_pid()").fetchone()
+        found = first == second
+    if found:
+        logger.warning(
+            "pgqueue: %s shares server sessions between clients (a transaction pooler such "
+            "as PgBouncer): no statement is prepared and no session setting is made; %s",
+            _errors.where(conn.pgconn),
+            "the LISTEN session connects to listen_url"
+            if options.listen_url
+            else "consumers poll every "
+            f"{min(options.polling_interval, POLL_WITHOUT_LISTEN):g} s (set transport option "
+            "listen_url to the server itself for wakeups by NOTIFY)",
+        )
+    return found
+
+
+#: seconds between two safety polls of a consumer that wanted LISTEN and has none
+POLL_WITHOUT_LISTEN = 1.0
+
+
+def _repair_rotation(conn: psycopg.Connection, options: Options) -> None:
+    """After a restore, the generation sequence may be ahead of the generations the
+    dump held (statement rotate_repair): put it back before the first publish. A role
+    that may not run the rotation leaves it to one that may."""
+    try:
+        conn.execute(_sql.queries(options.schema)["rotate_repair"])
+    except psycopg.errors.InsufficientPrivilege:
+        pass
 
 
 def _check_writable(conn: psycopg.Connection, options: Options) -> None:

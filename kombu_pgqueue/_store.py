@@ -137,14 +137,17 @@ class Store(Connected):
             return 0
         if transactions.current() is None:
             with self.translated("publish_many"), self.pool.connection() as conn:
-                # a bulk load may take longer than one statement should
-                conn.execute("SET statement_timeout = 0")
+                # a bulk load may take longer than one statement should (behind a
+                # transaction pooler no session setting is made: see _pool)
+                direct = not _pool.pooled(self.conninfo)
+                if direct:
+                    conn.execute("SET statement_timeout = 0")
                 try:
                     return load_staged(
                         conn, self.options.schema, self.options.channel, rows, gate=True
                     )
                 finally:
-                    if not conn.closed:
+                    if direct and not conn.closed:
                         conn.execute(_pool.statement_timeout(self.options))
         columns: dict[str, list[Any]] = {name: [] for name, _ in STAGING_COLUMNS}
         for row in rows:

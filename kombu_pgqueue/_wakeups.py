@@ -35,8 +35,9 @@ import hashlib
 import logging
 import os
 import secrets
+import select
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import psycopg
@@ -134,14 +135,44 @@ class Listener:
         self.box: AESGCM | None = None
         #: queues consumed without acks: no handoffs (a take deletes what it hands out)
         self.no_ack: set[str] = set()
+        #: what must happen before a statement of this session's: the claimer's claim
+        #: in flight answered, when the claimer shares the session (see :meth:`share`)
+        self.before_statement: Callable[[], None] | None = None
+        #: payloads psycopg received during this session's statements, while shared
+        self._received: list[str] = []
 
-    def open(self) -> bool:
+    def _free(self) -> None:
+        if self.before_statement is not None:
+            self.before_statement()
+
+    def share(self, before_statement: Callable[[], None]) -> None:
+        """The claimer sends its claims on this session from now on (an event loop's
+        consumer, ``_claimer``). Its reads, on the loop's readable event, are the only
+        reads of the socket: :meth:`wait` takes what they and this session's own
+        statements took in, and never reads the socket itself, which would take in a
+        claim's answer that the loop then never hears of."""
+        assert self.conn is not None
+        self.before_statement = before_statement
+        self.conn.add_notify_handler(self._note)
+
+    def unshare(self) -> None:
+        self.before_statement = None
+        if self.conn is not None:
+            self.conn.remove_notify_handler(self._note)
+
+    def _note(self, notify: psycopg.Notify) -> None:
+        self._received.append(notify.payload)
+
+    def open(self) -> bool | None:
         """Connect if not connected; True if this opened a new session (which watches
-        what the last one did: notifications may have been missed in between)."""
+        what the last one did: notifications may have been missed in between), None if
+        no session can LISTEN here (``_pool.listening``)."""
         if self.conn is not None and not self.conn.closed and self._pid == os.getpid():
             return False
         # (after a fork the parent's session is not ours to use, nor to close)
-        self.conn = _pool.listening(self.conninfo, self.options)
+        self.conn = _pool.listening(self.conninfo, self.options, probe=self.conninfo)
+        if self.conn is None:
+            return None
         self._pid = os.getpid()
         queues, self.watched, self.tokens = self.watched, {}, {}
         try:
@@ -183,6 +214,7 @@ class Listener:
         new = sorted(set(queues) - set(self.watched))
         if not new or self.conn is None:
             return Notified(self.tokens)
+        self._free()
         params = {"channel": self.options.channel, "queues": new}
         takes = [q for q in new if q not in self.no_ack] if self.box is not None else []
         waiter = {"takes": takes, "consumer": self.consumer, "secret": self.secret}
@@ -223,6 +255,7 @@ class Listener:
         if not gone or self.conn is None or self.conn.closed:
             return Notified(self.tokens)
         params = {"channel": self.options.channel, "queues": gone, "consumer": self.consumer}
+        self._free()
         self.conn.execute(self._q["unwatch"], params)
         return self.drain()
 
@@ -234,6 +267,12 @@ class Listener:
         """Block up to ``timeout`` seconds for notifications; return all that came."""
         assert self.conn is not None
         found = Notified(self.tokens, consumer=self.consumer, secret=self.secret, box=self.box)
+        if self.before_statement is not None:  # shared with the claimer (see share)
+            if timeout and not self._taken_in(found):
+                select.select([self.conn.fileno()], [], [], timeout)
+                self.conn.pgconn.consume_input()
+            self._taken_in(found)
+            return found
         for notify in self.conn.notifies(timeout=timeout, stop_after=1):
             found.add(notify.payload)
         if found:
@@ -245,10 +284,26 @@ class Listener:
         """Read what has arrived without blocking."""
         return self.wait(0)
 
+    def _taken_in(self, found: Notified) -> bool:
+        """Add to ``found`` the notifications already read from the socket: those the
+        claimer's reads left in libpq's queue, and those psycopg received during this
+        session's statements. Whether there were any."""
+        assert self.conn is not None
+        pgconn, encoding = self.conn.pgconn, self.conn.info.encoding
+        any_ = bool(self._received)
+        for payload in self._received:
+            found.add(payload)
+        self._received.clear()
+        while (queued := pgconn.notifies()) is not None:
+            found.add(queued.extra.decode(encoding))
+            any_ = True
+        return any_
+
     def close(self) -> None:
         if self.conn is not None and not self.conn.closed and self._pid == os.getpid():
             # stop being picked (a gone session's rows are removed by the next watch)
             with contextlib.suppress(psycopg.Error):
+                self._free()
                 queues = list(self.watched)
                 params = {"channel": self.options.channel, "consumer": self.consumer}
                 self.conn.execute(self._q["unwatch"], {**params, "queues": queues})
@@ -280,6 +335,8 @@ class Wakeups:
         self.conninfo = conninfo
         self.options = options
         self.listener: Listener | None = None
+        #: no session can LISTEN (a pooler took it): the consumer polls (see open)
+        self.unheard = False
         #: queues with news, not yet claimed from (a claim in flight leaves it here)
         self.pending: set[str] = set()
         #: the next due time of a delayed message (epoch seconds), and one noted since
@@ -297,15 +354,42 @@ class Wakeups:
     # -- the session ---------------------------------------------------------------------
 
     def open(self, consumed: Iterable[str]) -> bool:
-        """Listen (LISTEN off: never); True if the session is open. A new session may
-        have missed notifications: every queue in ``consumed`` counts as news."""
-        if not self.options.listen:
+        """Listen (LISTEN off, or no session can LISTEN: never); True if the session is
+        open. A new session may have missed notifications: every queue in ``consumed``
+        counts as news."""
+        if not self.options.listen or self.unheard:
             return False
         if self.listener is None:
             self.listener = Listener(self.conninfo, self.options)
-        if self.listener.open():
+        opened = self.listener.open()
+        if opened is None:
+            self.listener, self.unheard = None, True
+            if not _pool.pooled(self.conninfo) or self.options.listen_url:
+                logger.warning(
+                    "pgqueue: a NOTIFY to this consumer's LISTEN session (%s) never came "
+                    "back within %g s: a transaction pooler takes the LISTEN and drops "
+                    "what is sent to it; polling every %g s instead (set transport option "
+                    "listen_url to the server itself)",
+                    "listen_url" if self.options.listen_url else "the broker URL",
+                    _pool.LISTEN_PROBE_SECONDS,
+                    self.poll_interval,
+                )
+            return False
+        if opened:
             self.news(consumed)
         return True
+
+    @property
+    def poll_interval(self) -> float:
+        """Seconds between two safety polls: ``polling_interval``, and at most
+        POLL_WITHOUT_LISTEN when LISTEN was wanted but no session can (behind a
+        transaction pooler with no ``listen_url``)."""
+        interval = self.options.polling_interval
+        if self.unheard or (
+            self.options.listen and _pool.pooled(self.conninfo) and not self.options.listen_url
+        ):
+            return min(interval, _pool.POLL_WITHOUT_LISTEN)
+        return interval
 
     def use_store(self, conninfo: str) -> None:
         """Another host after a failover: the next session goes there."""

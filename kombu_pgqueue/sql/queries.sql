@@ -764,6 +764,12 @@ FROM {schema}.rotate(
     %(max_generations)s
 );
 
+-- name: rotate_repair :one
+-- The generation sequence back at the current generation if a restore left it ahead
+-- (function rotate_repair, migration 0016); before a process's first statement.
+SELECT dropped
+FROM {schema}.rotate('repair', '', 0, 0, 0, 0, 0);
+
 -- name: declare_queue :one
 INSERT INTO {schema}.queue (name, expires, message_ttl, max_priority)
 VALUES (

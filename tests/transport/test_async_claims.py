@@ -48,10 +48,15 @@ def _claim_returned(conn: Connection, timeout: float = 10) -> None:
 
 def _take_answer(conn: Connection, queue: str) -> None:
     """Let the consumer read the claim's answer, as the loop does when its socket is
-    readable: once readable, the answer may still be on its way in parts."""
+    readable (or in its tick, for an answer already read): once readable, the answer
+    may still be on its way in parts."""
     consumer = conn.transport.consumer
     while queue in consumer.in_flight:
-        _claim_returned(conn)
+        claimer = consumer.claimer
+        # the answer was read already when a statement of the listener's, which
+        # shares the session, waited for it (the loop's next tick takes it)
+        if claimer is None or not claimer.answered:
+            _claim_returned(conn)
         consumer.on_claimed()
 
 

@@ -86,6 +86,7 @@ def test_parse_options_ignores_kombu_retry_policy_keys() -> None:
         ("polling_interval", 0),
         ("sweep_interval", "x"),
         ("pool_timeout", 0.0),
+        ("pool_max_idle", 0.1),
         ("lease_renewal_interval", 0.01),
         ("max_attempts", -1),
         ("max_attempts", "three"),

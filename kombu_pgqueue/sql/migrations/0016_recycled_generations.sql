@@ -26,7 +26,9 @@
 -- - Each step of the rotation is a function of its own (rotate_move, rotate_drain,
 --   rotate_empty, rotate_recycle); rotate(step, ...) keeps its signature and its grant
 --   and runs them, one caller at a time. Step 'drop', which a process of the previous
---   version still sends, recycles.
+--   version still sends, recycles. Step 'repair' puts the generation sequence back at
+--   the current generation after a restore (pg_dump reads sequences outside its
+--   snapshot).
 --
 -- A later migration that changes message_store's columns must change the spares too
 -- (ALTER TABLE on message_store reaches its partitions only).
@@ -219,6 +221,30 @@ AS $$
     ORDER BY x.gen
 $$;
 
+-- Step 'repair': the generation sequence back at the current generation, when a restore
+-- left it ahead. pg_dump reads a sequence's value as it dumps it, not as its snapshot
+-- saw it: a dump taken while generations turned holds table generation as they were
+-- when it began and generation_seq as it was later, maybe at a generation the dump
+-- does not hold, into which every publish (gen's default is the sequence's value)
+-- would fail. Each process runs it before its first statement (_pool.get_pool), and
+-- step 'move' first; it does nothing when they agree. 1 when it moved the sequence.
+CREATE FUNCTION {schema}.rotate_repair()
+RETURNS integer
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    cur bigint := (SELECT max(x.gen) FROM {schema}.generation AS x WHERE x.state = 'current');
+BEGIN
+    IF cur IS NULL OR cur = {schema}.current_generation() THEN
+        RETURN 0;
+    END IF;
+    PERFORM setval(format('%I.generation_seq', {schema}.schema_name())::regclass, cur, true);
+    RETURN 1;
+END
+$$;
+REVOKE ALL ON FUNCTION {schema}.rotate_repair() FROM PUBLIC;
+
 -- Step 'move': the previous version's messages into message_store; a new generation
 -- when the current one is old enough (max_age), or has dead_limit dead rows and is
 -- min_age old, with one attached ahead; and forward what would keep an old generation
@@ -238,7 +264,7 @@ SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
     nsp text := {schema}.schema_name();
-    cur bigint := {schema}.current_generation();
+    cur bigint;
     nxt bigint;
     age double precision;
     g bigint;
@@ -246,6 +272,8 @@ DECLARE
 BEGIN
     rotated := false;
     moved := 0;
+    PERFORM {schema}.rotate_repair();
+    cur := {schema}.current_generation();
     -- the previous version's table, until a later migration drops it
     IF to_regclass(format('%I.message', nsp)) IS NOT NULL THEN
         WITH taken AS (
@@ -608,6 +636,8 @@ BEGIN
         WHEN 'recycle', 'drop' THEN
             -- 'drop': a process of the previous version
             dropped := {schema}.rotate_recycle();
+        WHEN 'repair' THEN
+            dropped := {schema}.rotate_repair();
         ELSE
             RAISE EXCEPTION 'pgqueue: rotate has no step %', step;
     END CASE;
