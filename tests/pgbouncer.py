@@ -101,6 +101,11 @@ class PgBouncer:
         command = [found, str(config)]
         if os.geteuid() == 0:
             user = pwd.getpwnam("postgres")
+            socket_dir = str(target["host"])
+            if socket_dir.startswith("/") and os.path.isdir(socket_dir):
+                # the embedded server's socket, in a directory of root's (0700): the
+                # pooler, running as postgres, must reach it
+                os.chmod(socket_dir, os.stat(socket_dir).st_mode | 0o011)
             os.chown(work, user.pw_uid, user.pw_gid)
             for path in work.iterdir():
                 os.chown(path, user.pw_uid, user.pw_gid)
