@@ -14,7 +14,8 @@ GRANT CREATE ON DATABASE {database} TO {role};
 GRANT USAGE ON SCHEMA {schema} TO {role};
 GRANT SELECT, INSERT, UPDATE, DELETE
     ON {schema}.queue, {schema}.exchange, {schema}.binding, {schema}.message_store,
-       {schema}.message, {schema}.dead_letter, {schema}.waiter, {schema}.listener
+       {schema}.message, {schema}.dead_letter, {schema}.waiter, {schema}.listener,
+       {schema}.periodic_entry, {schema}.periodic_leader
     TO {role};
 GRANT SELECT
     ON {schema}.schema_migration, {schema}.handoff_key, {schema}.rotation, {schema}.generation

@@ -44,3 +44,30 @@ CREATE TABLE {schema}.periodic_leader (
     backend_pid integer NOT NULL,
     since timestamptz NOT NULL
 );
+
+-- The roles granted message_store (those that publish or consume, docs/operations.md)
+-- get the same on the schedule's tables: a beat runs as a worker's role, and an upgrade
+-- needs no new grants.
+DO $migration_0017_grants$
+DECLARE
+    nsp text := {schema}.schema_name();
+    granted record;
+BEGIN
+    FOR granted IN
+        SELECT
+            CASE WHEN a.grantee = 0 THEN 'PUBLIC' ELSE a.grantee::regrole::text END AS role,
+            string_agg(DISTINCT a.privilege_type, ', ') AS privileges
+        FROM pg_catalog.pg_class AS c
+        CROSS JOIN LATERAL aclexplode(c.relacl) AS a
+        WHERE c.oid = format('%I.message_store', nsp)::regclass
+          AND a.grantee <> c.relowner
+          AND a.privilege_type IN ('SELECT', 'INSERT', 'UPDATE', 'DELETE')
+        GROUP BY a.grantee
+    LOOP
+        EXECUTE format(
+            'GRANT %s ON TABLE %I.periodic_entry, %I.periodic_leader TO %s',
+            granted.privileges, nsp, nsp, granted.role
+        );
+    END LOOP;
+END
+$migration_0017_grants$;
