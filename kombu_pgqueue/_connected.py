@@ -292,6 +292,14 @@ class Connected:
                     if result is None or result.status != TUPLES_OK:
                         return []
                     return cur.fetchall()
+            except (errors.DuplicatePreparedStatement, errors.InvalidSqlStatementName):
+                # a transaction pooler the first connection did not recognise (another
+                # client took its server session between the checks): the statement was
+                # refused before it ran; from now on nothing is prepared (see _pool)
+                if retried:
+                    raise
+                retried = True
+                _pool.found_pooler(self.conninfo, self.pool)
             except errors.SerializationFailure:
                 # READ COMMITTED raises it only for a row that the rotation moved to
                 # another generation while this statement waited for it: the row is

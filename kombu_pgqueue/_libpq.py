@@ -14,6 +14,7 @@ from typing import Any
 
 from psycopg import errors, pq
 
+from . import _pool
 from ._store import Store
 
 BINARY = pq.Format.BINARY
@@ -34,6 +35,10 @@ def text_param(value: Any) -> bytes | None:
 def result_error(store: Store, name: str, result: pq.abc.PGresult, encoding: str) -> BaseException:
     """The error of statement ``name``'s failed ``result``, as pgqueue's (see ``_errors``)."""
     error = errors.error_from_result(result, encoding=encoding)
+    if isinstance(error, (errors.DuplicatePreparedStatement, errors.InvalidSqlStatementName)):
+        # a transaction pooler that the first connection did not recognise: the session
+        # that prepared a statement is not the one this client has now (see _pool)
+        _pool.found_pooler(store.conninfo, store.pool)
     try:
         with store.translated(name):
             raise error

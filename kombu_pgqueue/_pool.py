@@ -258,22 +258,51 @@ def _find_pooler(conn: psycopg.Connection, conninfo: str, options: Options) -> b
     if options.pooler != "auto":
         found = options.pooler == "transaction"
     else:
-        first = conn.execute("SELECT pg_backend_pid()").fetchone()
+        # on a server each client has a session of its own for its life; a pooler lends
+        # the session conn left to the next client (``other``), or, when another client
+        # took it meanwhile, gives conn another one
+        pid = "SELECT pg_backend_pid()"
+        first = conn.execute(pid).fetchone()
         with psycopg.connect(conninfo, autocommit=True, prepare_threshold=None) as other:
-            second = other.execute("SELECT pg_backend_pid()").fetchone()
-        found = first == second
+            lent = other.execute(pid).fetchone()
+            again = conn.execute(pid).fetchone()
+            found = (
+                lent in (first, again) or again != first or other.execute(pid).fetchone() != lent
+            )
     if found:
-        logger.warning(
-            "pgqueue: %s shares server sessions between clients (a transaction pooler such "
-            "as PgBouncer): no statement is prepared and no session setting is made; %s",
-            _errors.where(conn.pgconn),
-            "the LISTEN session connects to listen_url"
-            if options.listen_url
-            else "consumers poll every "
-            f"{min(options.polling_interval, POLL_WITHOUT_LISTEN):g} s (set transport option "
-            "listen_url to the server itself for wakeups by NOTIFY)",
-        )
+        _say_pooler(conn.pgconn, options)
     return found
+
+
+def found_pooler(conninfo: str, pool: ConnectionPool) -> None:
+    """A statement was refused for a prepared statement that another client of the same
+    server session made or that its session never had: ``conninfo`` leads to a
+    transaction pooler after all (:func:`_find_pooler` can miss one under load). Said
+    once; the pool, whose sessions prepare, is replaced by one whose sessions do not."""
+    with _lock:
+        known = _pooled.get(conninfo)
+        _pooled[conninfo] = True
+    if not known:
+        logger.warning(
+            "pgqueue: a prepared statement was refused (a transaction pooler such as "
+            "PgBouncer shares server sessions between clients): from now on no statement "
+            "is prepared and no session setting is made"
+        )
+    discard(pool)
+
+
+def _say_pooler(pgconn: Any, options: Options) -> None:
+    """The one line that says a pooler was found, and what follows for wakeups."""
+    logger.warning(
+        "pgqueue: %s shares server sessions between clients (a transaction pooler such "
+        "as PgBouncer): no statement is prepared and no session setting is made; %s",
+        _errors.where(pgconn),
+        "the LISTEN session connects to listen_url"
+        if options.listen_url
+        else "consumers poll every "
+        f"{min(options.polling_interval, POLL_WITHOUT_LISTEN):g} s (set transport option "
+        "listen_url to the server itself for wakeups by NOTIFY)",
+    )
 
 
 #: seconds between two safety polls of a consumer that wanted LISTEN and has none

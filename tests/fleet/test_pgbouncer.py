@@ -140,3 +140,24 @@ def test_a_celery_worker_with_configure_runs_tasks_through_a_transaction_pooler(
         assert [r.get(timeout=60) for r in results] == [2 * i for i in range(30)]
     finally:
         app.close()
+
+
+def test_a_pooler_the_check_missed_is_learned_from_the_first_refused_statement(
+    bouncer: pgbouncer.PgBouncer, schema: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Under load another client can take the server session between the first
+    connection's checks: ``pooler="none"`` stands for that here. The first statement
+    refused for a prepared statement of another client's tells, once; it is sent again
+    unprepared, and nothing is prepared from then on."""
+    caplog.set_level(logging.WARNING, logger="kombu_pgqueue")
+    publishers = [_connection(bouncer.dsn, schema, pooler="none") for _ in range(3)]
+    consumer = _connection(bouncer.dsn, schema, pooler="none", polling_interval=30)
+    try:
+        _publish(publishers, "learned", 60)
+        got = _consume_all(consumer, "learned", 60)
+        assert sorted(body["i"] for body in got) == list(range(60))
+        said = [r.getMessage() for r in caplog.records if "was refused" in r.getMessage()]
+        assert len(said) == 1, said
+    finally:
+        for conn in [*publishers, consumer]:
+            conn.release()
