@@ -6,10 +6,12 @@ pool child (five sessions at most, kept for the child's life) and, in the main p
 of a worker or a web process, an engine with no pool at all (a new session for every
 result read or written). Behind :func:`celery_pgqueue.configure` both get their
 connections from a :class:`psycopg_pool.ConnectionPool` of this process's instead:
-``pool_max_size`` sessions at most (the transport option, 2), none kept longer than
-``pool_max_idle`` seconds unused (30), as the broker's own pool (docs/operations.md,
-"Connections"). SQLAlchemy, given ``creator`` and no pool of its own, "closes" each
-connection it is done with, which returns it to this pool (``close_returns``).
+as many as are in use at once (a session of Celery's backend may wait for another: a
+bound could deadlock it), none kept longer than ``pool_max_idle`` seconds unused (the
+transport option, 30), as the broker's own pool (docs/operations.md, "Connections").
+SQLAlchemy, given ``creator`` and no pool of its own, "closes" each connection it is
+done with, which returns it to this pool (``close_returns``). ``configure()`` again
+(another database: a test's) replaces the process's pool, and closes the last one.
 """
 
 from __future__ import annotations
@@ -79,11 +81,17 @@ class ResultSessions:
         return self.pool.getconn()
 
     def close(self) -> None:
+        """Close this process's pool (in the background: closing waits for sessions
+        that are in use)."""
         with self._lock:
             pool, self._pool = self._pool, None
         if pool is not None and self._pid == os.getpid():
-            pool.close()
+            threading.Thread(target=pool.close, kwargs={"timeout": 5}, daemon=True).start()
 
+
+#: the most sessions a process's results pool opens at once: none is kept idle, so this
+#: bounds only what is in use at once (Celery's own engine without a pool had no bound)
+RESULTS_MAX_SESSIONS = 64
 
 #: engine options that choose SQLAlchemy's pool, or size one: an app that sets any keeps
 #: its own (Celery's defaults, pool_pre_ping and pool_recycle, go with any pool)
@@ -99,13 +107,24 @@ def engine_options(
     own (``found``) with connections from a :class:`ResultSessions`, unless the app
     chose or sized a pool of its own (:data:`_OWN_POOL`)."""
     options = dict(found or {})
+    ours = options.get("creator")
+    if isinstance(ours, ResultSessions):
+        # configure() again (a test's own schema, another database): this process's
+        # results pool follows it, and the last one's sessions are closed
+        if ours.conninfo == conninfo:
+            return options
+        ours.close()
+        del options["creator"]
+        options.pop("poolclass", None)
     if _OWN_POOL.intersection(options):
         return options
     from sqlalchemy.pool import NullPool
 
     options["creator"] = ResultSessions(
         conninfo,
-        max_size=int(transport_options.get("pool_max_size") or 2),
+        # as many as are in use at once: Celery's backend may open a session while it
+        # holds another (a chord's part), and a bound below that would wait for ever
+        max_size=RESULTS_MAX_SESSIONS,
         max_idle=float(transport_options.get("pool_max_idle") or 30.0),
         timeout=float(transport_options.get("pool_timeout") or 30.0),
     )
