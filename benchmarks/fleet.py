@@ -24,19 +24,18 @@ alternating the order of the counts).
 
 from __future__ import annotations
 
-import contextlib
 import multiprocessing as mp
 import os
 import queue as stdqueue
 import statistics
 import sys
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import psycopg
 
 from .config import ROOT, Ctx, log
+from .listeners import cluster
 from .scale import tree_cpu
 
 COUNTS = (1, 50, 200)
@@ -88,20 +87,6 @@ def _tests_on_path() -> None:
     tests = os.path.join(ROOT, "tests")
     if tests not in sys.path:
         sys.path.insert(0, tests)
-
-
-@contextlib.contextmanager
-def cluster() -> Iterator[Any]:
-    """A throwaway PostgreSQL with max_connections = 100, removed on exit."""
-    _tests_on_path()
-    from clusters import Cluster
-
-    with Cluster.primary(name="bench-fleet") as c:
-        with c.connect() as conn:
-            conn.execute(f"ALTER SYSTEM SET max_connections = {MAX_CONNECTIONS}")
-        c.stop()
-        c.start()
-        yield c
 
 
 def _consumer(url: str, options: dict[str, Any], ready: Any, stop: Any, out: Any) -> None:
@@ -264,7 +249,10 @@ def bench_fleet(ctx: Ctx) -> dict[str, list[float]]:
     from pgbouncer import PgBouncer
 
     out: dict[str, list[float]] = {}
-    with cluster() as c, psycopg.connect(c.dsn, autocommit=True) as monitor:
+    with (
+        cluster(MAX_CONNECTIONS, "bench-fleet") as c,
+        psycopg.connect(c.dsn, autocommit=True) as monitor,
+    ):
         with PgBouncer.start(c.dsn, pool_mode="transaction", pool_size=BOUNCER_POOL) as bouncer:
             targets = {
                 "direct": f"pgqueue://postgres@127.0.0.1:{c.port}/postgres",

@@ -19,7 +19,7 @@ sockets with epoll. Two cases for each count of listening sessions:
 
 - *none waiting*: no consumer watches the queue published to (the workers consume other
   queues, or are busy with a backlog of this one): the publishes send no NOTIFY;
-- *waiting*: a consumer waits for the queue (a ``kombu_pgqueue._wakeups.Listener`` that
+- *waiting*: a consumer waits for the queue (a ``kombu_pgqueue._listener.Listener`` that
   watches it, one more listening session): every publish notifies, and PostgreSQL 15
   signals every listening session.
 
@@ -118,16 +118,17 @@ for _n in MANY_AT:
 
 
 @contextlib.contextmanager
-def cluster() -> Iterator[Any]:
-    """A throwaway PostgreSQL with max_connections raised, removed on exit."""
+def cluster(max_connections: int = MAX_CONNECTIONS, name: str = "bench-listeners") -> Iterator[Any]:
+    """A throwaway PostgreSQL with ``max_connections`` (raised, by default), removed on
+    exit."""
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     try:
         from clusters import Cluster
     finally:
         sys.path.remove(os.path.join(ROOT, "tests"))
-    with Cluster.primary(name="bench-listeners") as c:
+    with Cluster.primary(name=name) as c:
         with c.connect() as conn:
-            conn.execute(f"ALTER SYSTEM SET max_connections = {MAX_CONNECTIONS}")
+            conn.execute(f"ALTER SYSTEM SET max_connections = {max_connections}")
         c.stop()
         c.start()
         yield c
@@ -228,8 +229,8 @@ def _waiting(dsn: str, schema: str, queue: str, waiting: bool) -> Iterator[None]
     if not waiting:
         yield
         return
+    from kombu_pgqueue._listener import Listener
     from kombu_pgqueue._options import parse_options
-    from kombu_pgqueue._wakeups import Listener
 
     listener = Listener(dsn, parse_options({"schema": schema}))
     listener.open()

@@ -22,7 +22,7 @@ Its session is the consumer's LISTEN session when there is one (issue 43: a work
 sessions are its LISTEN session and its process's pool, no more): the listener's
 statements wait for the claim in flight first (:meth:`Claimer.settle`), and the
 listener reads the notifications that the claimer's reads took in
-(``_wakeups.Listener.wait``). Without one (transport option ``listen`` off) the claimer
+(``_listener.Listener.wait``). Without one (transport option ``listen`` off) the claimer
 opens a session of its own.
 """
 
@@ -55,6 +55,11 @@ CLOSE_WAIT_SECONDS = 2.0
 
 #: seconds past statement_timeout that settle() waits for a claim's answer
 SETTLE_GRACE_SECONDS = 2.0
+
+
+class Unanswered(psycopg.OperationalError):
+    """A claim that did not answer within statement_timeout and a grace: its session,
+    which still has it in flight, can take no other statement (a connection error)."""
 
 
 #: result columns of the claim statements, and the type OID each must have
@@ -139,25 +144,24 @@ class Claimer:
         """Wait for the claim in flight and those queued behind it, keeping what they
         bring for :meth:`results`: the session is free for another statement (the
         listener's, on a shared session) when this returns. Claims take milliseconds;
-        one that waits longer is cut by the session's lock and statement timeouts."""
+        one that waits longer is cut by the session's lock and statement timeouts, and
+        one that outlasts those raises: the session is then of no more use."""
         timeout = self._store.options.statement_timeout
         bound = timeout + SETTLE_GRACE_SECONDS if timeout else None
         while self._current is not None:
             try:
                 while not self._collect():
                     if not select.select([self._fd], [], [], bound)[0]:
-                        raise psycopg.OperationalError(
+                        raise Unanswered(
                             f"pgqueue: a claim did not answer within {bound:g} s "
                             "(statement_timeout and a grace): the session is given up"
                         )
                     self._pgconn.consume_input()
                 self._finish()
+            except Unanswered:
+                raise
             except BaseException as exc:  # noqa: BLE001 - reported with the claim
-                request, error = self._current, self._error or exc
-                self._current, self._rows, self._error, self._took = None, [], None, 0.0
-                self._buried = ()
-                assert request is not None
-                self._results.append(ClaimResult(request, [], error=error))
+                self._failed(exc)
             self._send_next(raise_errors=False)
 
     @property
@@ -180,14 +184,19 @@ class Claimer:
                 if self._collect():
                     self._finish()
             except BaseException as exc:  # noqa: BLE001 - the loop raises it
-                # the connection broke (an error the server sent first says why)
-                request, error = self._current, self._error or exc
-                self._current, self._rows, self._error, self._took = None, [], None, 0.0
-                self._buried = ()
-                self._results.append(ClaimResult(request, [], error=error))
+                self._failed(exc)
             self._send_next(raise_errors=False)
         out, self._results = self._results, []
         return out
+
+    def _failed(self, exc: BaseException) -> None:
+        """The claim in flight ends with an error: the connection broke (an error the
+        server sent first says why); nothing it did may have been committed."""
+        request, error = self._current, self._error or exc
+        assert request is not None
+        self._current, self._rows, self._error, self._took = None, [], None, 0.0
+        self._buried = ()
+        self._results.append(ClaimResult(request, [], error=error))
 
     def _send_next(self, raise_errors: bool) -> None:
         while self._current is None and self._jobs:

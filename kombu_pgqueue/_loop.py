@@ -117,7 +117,7 @@ class LoopDriver:
     def _on_readable(self, fileno: int) -> None:
         """The shared session's socket: a claim's answer, notifications, or both. The
         claimer's read is the only read of the socket; the listener then takes the
-        notifications it took in (``_wakeups.Listener.share``)."""
+        notifications it took in (``_listener.Listener.share``)."""
         self._on_claimed(fileno)
         self._on_notified(fileno)
 

@@ -87,12 +87,6 @@ def pooled(conninfo: str) -> bool:
     return _pooled.get(conninfo, False)
 
 
-def session_settings(conninfo: str) -> str | None:
-    """:data:`SESSION_SETTINGS`, or None behind a pooler (another client's statements
-    would run under them)."""
-    return None if pooled(conninfo) else SESSION_SETTINGS
-
-
 def listen_conninfo(conninfo: str, options: Options) -> str | None:
     """Where the LISTEN session connects: ``listen_url`` if given (with this process's
     application_name), the broker's own server otherwise, None behind a pooler."""
@@ -263,7 +257,7 @@ def _find_pooler(conn: psycopg.Connection, conninfo: str, options: Options) -> b
         # took it meanwhile, gives conn another one
         pid = "SELECT pg_backend_pid()"
         first = conn.execute(pid).fetchone()
-        with psycopg.connect(conninfo, autocommit=True, prepare_threshold=None) as other:
+        with connect(conninfo, options) as other:
             lent = other.execute(pid).fetchone()
             again = conn.execute(pid).fetchone()
             found = (

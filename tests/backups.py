@@ -19,7 +19,7 @@ from pathlib import Path
 
 import psycopg
 from psycopg import sql
-from psycopg.conninfo import conninfo_to_dict, make_conninfo
+from psycopg.conninfo import make_conninfo
 
 
 def _candidates() -> Iterator[Path]:
@@ -166,10 +166,6 @@ def storage_disagreements(conn: psycopg.Connection, schema: str) -> list[str]:
         {"s": schema},
     ).fetchall()
     return [text for (text,) in rows]
-
-
-def dbname(dsn: str) -> str:
-    return str(conninfo_to_dict(dsn).get("dbname") or "postgres")
 
 
 def tables(conn: psycopg.Connection, schema: str) -> Sequence[str]:

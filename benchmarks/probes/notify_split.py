@@ -43,8 +43,8 @@ def _publisher(dsn: str, variant: str, seconds: float, barrier: Any, out: Any) -
 
     from benchmarks.scale import without_notify
     from kombu_pgqueue import _sql
+    from kombu_pgqueue._listener import legacy_token
     from kombu_pgqueue._options import notify_channel
-    from kombu_pgqueue._wakeups import legacy_token
     from kombu_pgqueue.records import Outgoing
 
     raw = _sql.raw_queries()["publish"]

@@ -26,8 +26,8 @@ from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from kombu_pgqueue._handoffs import seal, signature
+from kombu_pgqueue._listener import Notified, legacy_token
 from kombu_pgqueue._sql import LOCKS
-from kombu_pgqueue._wakeups import Notified, legacy_token
 from kombu_pgqueue.records import Outgoing
 
 HOUR = 3600

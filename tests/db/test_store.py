@@ -11,8 +11,8 @@ import pytest
 from kombu import Connection
 from psycopg import sql
 
+from kombu_pgqueue._listener import Listener, legacy_token
 from kombu_pgqueue._store import Outgoing, Store, new_lease
-from kombu_pgqueue._wakeups import Listener, legacy_token
 
 Later = Callable[[float], datetime]
 
