@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from . import _counters
 from ._claimer import Claimer
 from ._handoffs import late
+from ._listener import Listener
 from ._options import Options
 from ._pacing import Clock, Pacing, Plan, Sink
 from ._rotator import Rotator
@@ -100,7 +101,8 @@ class Consumer:
         self.wakeups.watch(queue, no_ack)
         self.poll_soon()  # its delayed messages' due times
         self.settler.keep_leases()
-        self._rotator.start()
+        if not self.wakeups.relayed:  # the relay's hub rotates for the host
+            self._rotator.start()
 
     def unsubscribe(self, queue: str, sink: Sink) -> None:
         sub = self._subs.get(queue)
@@ -368,18 +370,18 @@ class Consumer:
         the socket to read their answers from (see :meth:`on_claimed`): the LISTEN
         session's when there is one, which the claims then share (``_claimer``)."""
         listener = self.wakeups.listener
-        session = listener.conn if listener is not None else None
+        session = listener.conn if isinstance(listener, Listener) else None
         if session is None or session.closed:
             self.claimer = Claimer(self.store)
         else:
-            assert listener is not None
+            assert isinstance(listener, Listener)
             self.claimer = Claimer(self.store, session)
             listener.share(self.claimer.settle)
         return self.claimer.fileno()
 
     def stop_claimer(self) -> None:
         claimer, self.claimer = self.claimer, None
-        if self.wakeups.listener is not None:
+        if isinstance(self.wakeups.listener, Listener):
             self.wakeups.listener.unshare()
         if claimer is not None:
             for result in claimer.close():

@@ -79,7 +79,9 @@ class LoopDriver:
         if consumer.listen():
             self._listen_fd = consumer.wakeups.fileno()
             loop.add_reader(self._listen_fd, self._on_notified, self._listen_fd)
-        if consumer.options.async_claims:
+        # through the host's relay, a claimer's session of its own would be a session
+        # per idle consumer again: claims in the loop's thread, on the pool
+        if consumer.options.async_claims and not consumer.wakeups.relayed:
             self._claim_fd = consumer.start_claimer()
             if self._claim_fd == self._listen_fd:  # one session: one reader for both
                 loop.add_reader(self._claim_fd, self._on_readable, self._claim_fd)

@@ -53,6 +53,8 @@ class Options:
     resume_seconds: float = 1.0
     idle_inline_seconds: float = 0.02
     listen: bool = True
+    #: one LISTEN session per host, shared by its consumers (``_relay``)
+    relay: bool = False
     handoff: bool = True
     batch_acks: bool = True
     async_claims: bool = True

@@ -17,6 +17,7 @@ from . import _pool
 from ._handoffs import Replays
 from ._listener import Listener, Notified
 from ._options import Options
+from ._relay import RELAY_POLL_FACTOR, RelayClient, supported
 from .records import Handoff
 
 logger = logging.getLogger(__name__)
@@ -41,7 +42,8 @@ class Wakeups:
     def __init__(self, conninfo: str, options: Options) -> None:
         self.conninfo = conninfo
         self.options = options
-        self.listener: Listener | None = None
+        #: the LISTEN session, or the host's relay (transport option relay)
+        self.listener: Listener | RelayClient | None = None
         #: no session can LISTEN (a pooler took it): the consumer polls (see open)
         self.unheard = False
         #: queues with news, not yet claimed from (a claim in flight leaves it here)
@@ -67,7 +69,11 @@ class Wakeups:
         if not self.options.listen or self.unheard:
             return False
         if self.listener is None:
-            self.listener = Listener(self.conninfo, self.options)
+            self.listener = (
+                RelayClient(self.conninfo, self.options)
+                if self.relayed
+                else Listener(self.conninfo, self.options)
+            )
         opened = self.listener.open()
         if opened is None:
             self.listener, self.unheard = None, True
@@ -87,11 +93,25 @@ class Wakeups:
         return True
 
     @property
+    def relayed(self) -> bool:
+        """Whether wakeups come through the host's relay (``_relay``; Linux only: elsewhere
+        each consumer listens, said once)."""
+        if self.options.relay and not supported() and not Wakeups._said_unsupported:
+            Wakeups._said_unsupported = True
+            logger.warning("pgqueue: transport option relay needs Linux; each consumer listens")
+        return self.options.listen and self.options.relay and supported()
+
+    _said_unsupported = False
+
+    @property
     def poll_interval(self) -> float:
-        """Seconds between two safety polls: ``polling_interval``, and at most
-        POLL_WITHOUT_LISTEN when LISTEN was wanted but no session can (behind a
-        transaction pooler with no ``listen_url``)."""
+        """Seconds between two safety polls: ``polling_interval``; RELAY_POLL_FACTOR times
+        that through the host's relay (its hub polls for all); at most POLL_WITHOUT_LISTEN
+        when LISTEN was wanted but no session can (behind a transaction pooler with no
+        ``listen_url``)."""
         interval = self.options.polling_interval
+        if self.relayed:
+            return interval * RELAY_POLL_FACTOR
         if self.unheard or (
             self.options.listen and _pool.pooled(self.conninfo) and not self.options.listen_url
         ):
