@@ -1,0 +1,123 @@
+"""The host's relay (transport option ``relay``, issue 43): the consumers of a host share
+one LISTEN session; each still gets its work at once, a new hub takes over when the
+hub's process dies, and 200 idle consumers fit on a server of max_connections 100.
+
+Every consumer here polls once a minute at most (``polling_interval`` 60: the hub's poll;
+a client's own, 12 times that): what arrives within the tests' waits came through a
+notification, relayed."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import psycopg
+import pytest
+from clusters import Cluster
+from kombu import Connection, Queue
+from relay_consumers import Fleet
+from waiting import wait_for
+
+from kombu_pgqueue import embedded
+
+RELAYED = {"relay": True, "polling_interval": 60, "pool_max_idle": 0.5}
+
+
+def _own(index: int) -> list[str]:
+    return [f"own.{index}", "shared"]
+
+
+@pytest.fixture
+def fleet(broker_base_url: str, schema: str) -> Iterator[Fleet]:
+    started = Fleet(broker_base_url, {**RELAYED, "schema": schema})
+    yield started
+    started.close()
+
+
+def _names(fleet: Fleet) -> list[str]:
+    return [f"pgqueue[{pid}]" for pid in fleet.pids.values()]
+
+
+def listening(db: psycopg.Connection, fleet: Fleet) -> int:
+    """How many of the fleet's sessions wait for queues (hold a shared advisory lock
+    of statement watch's: LISTEN sessions)."""
+    row = db.execute(
+        "SELECT count(DISTINCT l.pid) FROM pg_locks AS l JOIN pg_stat_activity AS a USING (pid)"
+        " WHERE l.locktype = 'advisory' AND l.mode = 'ShareLock'"
+        " AND a.application_name = ANY(%s)",
+        (_names(fleet),),
+    ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def held(db: psycopg.Connection, fleet: Fleet) -> int:
+    """How many sessions the fleet's processes hold."""
+    row = db.execute(
+        "SELECT count(*) FROM pg_stat_activity WHERE application_name = ANY(%s)",
+        (_names(fleet),),
+    ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def publish(url: str, schema: str, queues: list[str]) -> None:
+    with Connection(url, transport_options={"schema": schema}) as conn:
+        producer = conn.Producer()
+        for name in queues:
+            producer.publish({"to": name}, routing_key=name, declare=[Queue(name)])
+
+
+def test_the_consumers_of_a_host_share_one_listen_session_and_hold_few_sessions_idle(
+    fleet: Fleet, db: psycopg.Connection
+) -> None:
+    fleet.start(range(4), _own)
+    wait_for(lambda: listening(db, fleet) == 1, 30, "one LISTEN session for 4 consumers")
+    # idle, the consumers' pools close their sessions: the hub's LISTEN session is left
+    wait_for(lambda: held(db, fleet) <= 2, 30, "the idle consumers' sessions to close")
+
+
+def test_each_consumer_gets_its_work_through_the_relay(
+    fleet: Fleet, broker_base_url: str, schema: str
+) -> None:
+    fleet.start(range(4), _own)
+    publish(broker_base_url, schema, [f"own.{i}" for i in range(4)] + ["shared"] * 20)
+    fleet.until(lambda: sum(len(got) for got in fleet.got.values()) == 24, 30, "24 deliveries")
+    for index, got in fleet.got.items():
+        assert (f"own.{index}", {"to": f"own.{index}"}) in got
+    shared = [body for got in fleet.got.values() for queue, body in got if queue == "shared"]
+    assert len(shared) == 20
+
+
+def test_a_consumer_becomes_the_hub_when_the_hubs_process_is_killed(
+    fleet: Fleet, broker_base_url: str, schema: str, db: psycopg.Connection
+) -> None:
+    fleet.start([0], _own)  # the first: the hub
+    fleet.start(range(1, 4), _own)
+    wait_for(lambda: listening(db, fleet) == 1, 30, "one LISTEN session")
+    fleet.kill(0)
+    publish(broker_base_url, schema, [f"own.{i}" for i in range(1, 4)])
+    fleet.until(lambda: all(fleet.got[i] for i in range(1, 4)), 30, "a delivery to each")
+    wait_for(lambda: listening(db, fleet) == 1, 30, "one LISTEN session again")
+
+
+def test_200_idle_consumers_fit_in_100_connections_and_each_gets_work(tmp_path: object) -> None:
+    """The fleet of issue 43, target 3: 200 consumer processes on a server with
+    max_connections 100 (the shared test server allows more), all started; each gets a
+    message of its own queue; the server refused no connection."""
+    with Cluster.primary(name="relay-fleet") as cluster:
+        url = embedded.broker_url(cluster.dsn)
+        fleet = Fleet(url, {**RELAYED, "schema": "fleet"})
+        try:
+            for wave in range(8):
+                fleet.start(range(wave * 25, (wave + 1) * 25), lambda i: [f"own.{i}"])
+            assert len(fleet.pids) == 200
+            for wave in range(8):
+                indexes = range(wave * 25, (wave + 1) * 25)
+                publish(url, "fleet", [f"own.{i}" for i in indexes])
+                fleet.until(
+                    lambda wave=indexes: all(fleet.got[i] for i in wave), 60, "a delivery each"
+                )
+            assert all(len(got) == 1 for got in fleet.got.values())
+        finally:
+            fleet.close()
+        assert "too many clients" not in cluster.log()
