@@ -56,13 +56,14 @@ def _named(text: str, source: str, found: dict[str, str]) -> None:
 def raw_queries() -> dict[str, str]:
     """Return ``{name: statement text}`` with ``{schema}`` still in place.
 
-    Every ``sql/*.sql`` file holds named statements (``queries.sql`` the runtime ones,
-    ``monitoring.sql`` the operators'); a name may appear once in all of them.
+    Every ``sql/*.sql`` file but ``schema.sql`` (the schema, to read) holds named
+    statements (``queries.sql`` the runtime ones, ``monitoring.sql`` the operators'); a
+    name may appear once in all of them.
     """
     folder = resources.files(__package__).joinpath("sql")
     found: dict[str, str] = {}
     for entry in sorted(folder.iterdir(), key=lambda e: e.name):
-        if entry.name.endswith(".sql"):
+        if entry.name.endswith(".sql") and entry.name != "schema.sql":
             _named(entry.read_text(encoding="utf-8"), entry.name, found)
     variants = {}
     for name, text in found.items():
