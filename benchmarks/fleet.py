@@ -16,10 +16,11 @@ consumes), started one after the other:
   the consumer that gets one reports publish-to-delivery (p50, p99);
 - *server CPU per publish*: the cluster's CPU-seconds over the rate window / publishes.
 
-Direct consumers LISTEN (wakeups by NOTIFY); pooled ones poll (no ``listen_url``), as a
-pooler-only deployment does. Each row's figures go beside the 1-consumer row's of its
-mode. Run: ``python -m benchmarks --only fleet`` (``--runs N`` repeats the sweep,
-alternating the order of the counts).
+Direct consumers LISTEN (wakeups by NOTIFY) each; relayed ones (transport option
+``relay``) share one LISTEN session, the host relay's; pooled ones poll (no
+``listen_url``), as a pooler-only deployment does. Each row's figures go beside the
+1-consumer row's of its mode. Run: ``python -m benchmarks --only fleet`` (``--runs N``
+repeats the sweep, alternating the order of the modes).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from .listeners import cluster
 from .scale import tree_cpu
 
 COUNTS = (1, 50, 200)
-MODES = ("direct", "pgbouncer")
+MODES = ("direct", "relay", "pgbouncer")
 MAX_CONNECTIONS = 100
 BOUNCER_POOL = 40
 #: seconds of each window
@@ -142,7 +143,9 @@ def _publisher(url: str, options: dict[str, Any], seconds: float, rate: float, o
 
 class Consumers:
     def __init__(self, url: str, options: dict[str, Any]) -> None:
-        self.ctx = mp.get_context("spawn")
+        # forked from a process that imported Kombu once: 200 start in seconds
+        self.ctx = mp.get_context("forkserver")
+        self.ctx.set_forkserver_preload(["kombu", "kombu_pgqueue"])
         self.url, self.options = url, options
         self.ready = self.ctx.Queue()
         self.out = self.ctx.Queue()
@@ -254,14 +257,18 @@ def bench_fleet(ctx: Ctx) -> dict[str, list[float]]:
         psycopg.connect(c.dsn, autocommit=True) as monitor,
     ):
         with PgBouncer.start(c.dsn, pool_mode="transaction", pool_size=BOUNCER_POOL) as bouncer:
+            direct = f"pgqueue://postgres@127.0.0.1:{c.port}/postgres"
             targets = {
-                "direct": f"pgqueue://postgres@127.0.0.1:{c.port}/postgres",
+                "direct": direct,
+                "relay": direct,
                 "pgbouncer": f"pgqueue://postgres@127.0.0.1:{bouncer.port}/postgres",
             }
             for run in range(ctx.runs):
                 for mode in MODES if run % 2 == 0 else tuple(reversed(MODES)):
                     schema = f"{ctx.prefix}_fleet_{mode}"
                     options = {"schema": schema, "polling_interval": 5.0}
+                    if mode == "relay":
+                        options["relay"] = True
                     consumers = Consumers(targets[mode], options)
                     try:
                         for n in COUNTS:

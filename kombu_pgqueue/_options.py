@@ -25,6 +25,9 @@ from .exceptions import ConfigurationError
 logger = logging.getLogger(__name__)
 
 DEFAULT_SCHEMA = "pgqueue"
+#: ``pool_max_idle`` when transport option ``relay`` is on and it is not given: a relayed
+#: fleet is one that must hold few sessions, and an idle consumer's pool closes its own
+RELAY_POOL_MAX_IDLE = 2.0
 _MAX_IDENTIFIER = 63
 
 
@@ -270,6 +273,8 @@ def parse_options(transport_options: Mapping[str, Any]) -> Options:
     for name in (f.name for f in fields(Options) if f.type == "bool"):  # the flags
         if name in topts:
             kwargs[name] = _flag(name, topts[name])
+    if kwargs.get("relay") and topts.get("pool_max_idle") is None:
+        kwargs["pool_max_idle"] = RELAY_POOL_MAX_IDLE
     options = Options(**kwargs)
     if not options.confirm_publish and options.unroutable == "raise":
         raise ConfigurationError(

@@ -432,3 +432,12 @@ def test_every_transport_option_is_documented_where_users_are_sent() -> None:
     assert fields - listed == set(), "options not in docs/configuration.md"
     # the names accepted beside the fields: libpq keywords, synchronous_commit (to libpq)
     assert listed - fields <= {"libpq", "synchronous_commit"}, "documented, not an option"
+
+
+def test_relay_is_off_by_default_and_closes_idle_sessions_sooner_unless_told() -> None:
+    assert parse_options({}).relay is False
+    relayed = parse_options({"relay": "true"})
+    assert relayed.relay is True
+    assert relayed.pool_max_idle == 2.0
+    assert parse_options({"relay": True, "pool_max_idle": 20}).pool_max_idle == 20
+    assert parse_options({}).pool_max_idle == 30.0
