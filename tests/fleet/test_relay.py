@@ -8,6 +8,8 @@ notification, relayed."""
 
 from __future__ import annotations
 
+import os
+import socket
 from collections.abc import Iterator
 
 import psycopg
@@ -121,3 +123,76 @@ def test_200_idle_consumers_fit_in_100_connections_and_each_gets_work(tmp_path: 
         finally:
             fleet.close()
         assert "too many clients" not in cluster.log()
+
+
+def test_news_of_a_queue_many_consume_wakes_one_consumer(
+    fleet: Fleet, broker_base_url: str, schema: str, db: psycopg.Connection
+) -> None:
+    """The hub wakes the consumer that began waiting last, not every one: the others stay
+    idle, holding no session."""
+    fleet.start(range(4), _own)
+    wait_for(lambda: held(db, fleet) <= 2, 30, "the idle consumers' sessions to close")
+    for n in range(1, 6):
+        publish(broker_base_url, schema, ["shared"])
+        fleet.until(lambda n=n: sum(len(g) for g in fleet.got.values()) == n, 30, f"{n} got")
+    takers = [index for index, got in fleet.got.items() if got]
+    assert len(takers) == 1, fleet.got
+
+
+def _relay_addresses() -> set[str]:
+    """The relays' names in Linux's abstract namespace, as any local user can list them."""
+    with open("/proc/net/unix") as table:
+        return {
+            line.split()[-1][1:] for line in table if line.split()[-1].startswith("@pgqueue-relay-")
+        }
+
+
+def _connect(address: str) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(b"\0" + address.encode())
+    return sock
+
+
+def test_the_hub_drops_a_client_that_sends_what_is_not_a_message_and_serves_the_rest(
+    fleet: Fleet, broker_base_url: str, schema: str
+) -> None:
+    before = _relay_addresses()
+    fleet.start(range(2), _own)
+    (address,) = _relay_addresses() - before
+    intruder = _connect(address)
+    intruder.sendall(b'{"wait": ["own.0"]}\n\x00not json\n')
+    intruder.settimeout(30)
+    assert intruder.recv(100) == b""  # dropped
+    publish(broker_base_url, schema, ["own.0", "own.1"])
+    fleet.until(lambda: all(fleet.got[i] for i in range(2)), 30, "a delivery to each")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="switching to another user needs root")
+def test_a_process_of_another_user_cannot_join_the_relay(
+    fleet: Fleet, broker_base_url: str, schema: str
+) -> None:
+    """Queue names travel on the relay's socket: a process of another user that finds
+    its name (in /proc/net/unix, as anyone can) is refused."""
+    before = _relay_addresses()
+    fleet.start(range(1), _own)
+    (address,) = _relay_addresses() - before
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the other user's process: connects, says something, reads
+        try:
+            os.setuid(65534)
+            sock = _connect(address)
+            sock.sendall(b'{"wait": ["own.0"]}\n')
+            sock.settimeout(30)
+            got = sock.recv(100)
+            os.write(write, b"closed" if got == b"" else repr(got).encode())
+        except ConnectionResetError:
+            os.write(write, b"closed")
+        except BaseException as exc:  # noqa: BLE001 - said to the test
+            os.write(write, repr(exc).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    os.waitpid(pid, 0)
+    with os.fdopen(read) as said:
+        assert said.read() == "closed"  # nothing said
