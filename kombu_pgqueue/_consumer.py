@@ -41,6 +41,11 @@ from .records import Buried, ClaimRequest, ClaimResult, Delivery
 
 Deliver = Callable[[Delivery], None]
 
+
+def _from_now(epoch: float | None) -> float | None:
+    """Seconds from now until ``epoch`` (a due time, the database's epoch seconds)."""
+    return None if epoch is None else epoch - time.time()
+
 logger = logging.getLogger(__name__)
 
 
@@ -69,7 +74,7 @@ class Consumer:
         #: the clock of batching, resuming, idleness and the safety poll (tests move it)
         self.clock = clock or Clock()
         self.settler = Settler(store, options)
-        self.wakeups = Wakeups(store.conninfo, options)
+        self.wakeups = Wakeups(store.conninfo, options, self.no_ack)
         self.claimer: Claimer | None = None
         self._subs: dict[str, Subscription] = {}
         #: each channel's claims in flight and batches, where each queue's claims start
@@ -85,7 +90,7 @@ class Consumer:
 
     def reopen(self) -> None:
         """The transport connected again (after a close): ack in batches again."""
-        self.settler.closed = False
+        self.settler.reopen()
 
     def use_store(self, store: Store) -> None:
         """Another host after a failover: everything goes to its store from now on."""
@@ -98,7 +103,7 @@ class Consumer:
     def subscribe(self, queue: str, sink: Sink, no_ack: bool) -> None:
         self._subs[queue] = Subscription(sink, no_ack)
         self.wakeups.open(self._subs)
-        self.wakeups.watch(queue, no_ack)
+        self.wakeups.watch(queue)
         self.poll_soon()  # its delayed messages' due times
         self.settler.keep_leases()
         if not self.wakeups.relayed:  # the relay's hub rotates for the host
@@ -392,19 +397,30 @@ class Consumer:
     # -- the safety poll and sweep -----------------------------------------------------
 
     @property
-    def poll_due(self) -> float:
-        """When the next safety poll is due, by :attr:`clock` (0: at once)."""
-        return self._next_poll
+    def poll_in(self) -> float:
+        """Seconds until the safety poll is due (0 or less: now)."""
+        return 0.0 if self._next_poll == 0.0 else self._next_poll - self.clock()
+
+    @property
+    def poll_interval(self) -> float:
+        """Seconds between two safety polls (see Wakeups.poll_interval)."""
+        return self.wakeups.poll_interval
 
     def poll_soon(self) -> None:
         """Poll at the next chance (a new subscription, a due time that came)."""
         self._next_poll = 0.0
 
+    @property
+    def poll_asked(self) -> bool:
+        """Whether :meth:`poll_soon` asked for a poll that has not run yet."""
+        return self._next_poll == 0.0
+
     def poll(self) -> float | None:
         """The safety poll: promote due delayed messages and find ready queues.
 
         A queue already pending is claimed from soon anyway: looking for ready messages
-        in it again would only cost a walk over its head. Returns a new due time.
+        in it again would only cost a walk over its head. Returns the seconds until a
+        delayed message newly noted falls due.
         """
         owned = list(self._subs)
         pending = self.wakeups.pending
@@ -416,7 +432,48 @@ class Consumer:
         if now >= self._next_sweep:
             self._next_sweep = now + self.options.sweep_interval
             self.store.sweep()
-        return self.wakeups.note_due(next_due)
+        return _from_now(self.wakeups.note_due(next_due))
+
+    # -- what a driver asks (_loop): times in seconds from now -----------------------------
+
+    def listening(self) -> int | None:
+        """Listen if not listening; the socket that brings news (the LISTEN session's, or
+        the host relay's), None without one (LISTEN off, or no session can)."""
+        return self.wakeups.fileno() if self.listen() else None
+
+    @property
+    def claims_apart(self) -> bool:
+        """Whether an event loop sends claims without waiting for them (a claimer,
+        ``async_claims``). Not through the host's relay: the claimer's session of its
+        own would be a session per idle consumer again; claims go through the pool."""
+        return self.options.async_claims and not self.wakeups.relayed
+
+    @property
+    def has_news(self) -> bool:
+        """Queues to claim from, or handed-off messages to deliver."""
+        return bool(self.wakeups.pending) or self.wakeups.handed
+
+    @property
+    def due_in(self) -> float | None:
+        """Seconds until the next delayed message falls due (None: none known)."""
+        return _from_now(self.wakeups.next_due)
+
+    def due_passed(self) -> None:
+        """The next due time came (the poll promotes what fell due)."""
+        self.wakeups.due_passed()
+
+    def read_news(self) -> float | None:
+        """Take what arrived on the news socket; seconds until a new due time, if any."""
+        return _from_now(self.wakeups.read())
+
+    def take_new_due(self) -> float | None:
+        """Seconds until a due time noted since the driver last asked (outside a read or
+        a poll: a watch), if any."""
+        return _from_now(self.wakeups.take_new_due())
+
+    def wait_news(self, timeout: float) -> None:
+        """Block up to ``timeout`` seconds for news (without a socket: sleep)."""
+        self.wakeups.wait(timeout)
 
     # -- shutdown --------------------------------------------------------------------------
 

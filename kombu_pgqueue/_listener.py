@@ -116,9 +116,17 @@ class Listener:
     """The LISTEN session (one per consuming transport; a new one after a fork or a
     lost connection)."""
 
-    def __init__(self, conninfo: str, options: Options) -> None:
+    def __init__(
+        self,
+        conninfo: str,
+        options: Options,
+        no_ack: Callable[[str], bool] = lambda queue: False,
+    ) -> None:
         self.conninfo = conninfo
         self.options = options
+        #: whether a queue is consumed without acks: no handoffs (a take deletes what it
+        #: hands out); the consumer's subscriptions say
+        self.no_ack = no_ack
         self.conn: psycopg.Connection | None = None
         self._pid = os.getpid()
         self._q = _sql.queries(options.schema)
@@ -132,8 +140,6 @@ class Listener:
         self.consumer = ""
         self.secret = ""
         self.box: AESGCM | None = None
-        #: queues consumed without acks: no handoffs (a take deletes what it hands out)
-        self.no_ack: set[str] = set()
         #: what must happen before a statement of this session's: the claimer's claim
         #: in flight answered, when the claimer shares the session (see :meth:`share`)
         self.before_statement: Callable[[], None] | None = None
@@ -215,7 +221,7 @@ class Listener:
             return Notified(self.tokens)
         self._free()
         params = {"channel": self.options.channel, "queues": new}
-        takes = [q for q in new if q not in self.no_ack] if self.box is not None else []
+        takes = [q for q in new if not self.no_ack(q)] if self.box is not None else []
         waiter = {"takes": takes, "consumer": self.consumer, "secret": self.secret}
         lease = {"lease_seconds": self.options.visibility_timeout}
         rows = self.conn.execute(self._q["watch"], {**params, **waiter, **lease}).fetchall()

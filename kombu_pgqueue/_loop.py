@@ -21,28 +21,26 @@ def drain(consumer: Consumer, timeout: float | None) -> None:
     deadline = None if timeout is None else time.monotonic() + timeout
     if consumer.consuming:
         consumer.listen()
-    wakeups = consumer.wakeups
     while True:
-        if consumer.clock() >= consumer.poll_due and consumer.consuming:
+        if consumer.poll_in <= 0 and consumer.consuming:
             consumer.poll()
         if consumer.deliver_pending(inline=True):
             return
-        now = time.monotonic()
-        waits = [consumer.poll_due - consumer.clock()]
+        waits = [consumer.poll_in]
         if deadline is not None:
-            waits.append(deadline - now)
-        if wakeups.next_due is not None:
-            waits.append(wakeups.next_due - time.time())
-        if wakeups.pending:
+            if time.monotonic() >= deadline:
+                raise TimeoutError()
+            waits.append(deadline - time.monotonic())
+        due = consumer.due_in
+        if due is not None:
+            if due <= 0:
+                consumer.due_passed()
+                consumer.poll_soon()
+                continue
+            waits.append(due)
+        if consumer.has_news:
             waits.append(CLAIM_BATCH_WAIT)
-        wait = max(min(waits), 0.0)
-        if deadline is not None and now >= deadline:
-            raise TimeoutError()
-        if wakeups.next_due is not None and wakeups.next_due <= time.time():
-            wakeups.due_passed()
-            consumer.poll_soon()
-            continue
-        wakeups.wait(wait)
+        consumer.wait_news(max(min(waits), 0.0))
 
 
 def _cancel(timer: Any) -> None:
@@ -76,19 +74,17 @@ class LoopDriver:
 
     def start(self) -> None:
         consumer, loop = self.consumer, self.loop
-        if consumer.listen():
-            self._listen_fd = consumer.wakeups.fileno()
+        self._listen_fd = consumer.listening()
+        if self._listen_fd is not None:
             loop.add_reader(self._listen_fd, self._on_notified, self._listen_fd)
-        # through the host's relay, a claimer's session of its own would be a session
-        # per idle consumer again: claims in the loop's thread, on the pool
-        if consumer.options.async_claims and not consumer.wakeups.relayed:
+        if consumer.claims_apart:
             self._claim_fd = consumer.start_claimer()
             if self._claim_fd == self._listen_fd:  # one session: one reader for both
                 loop.add_reader(self._claim_fd, self._on_readable, self._claim_fd)
             else:
                 loop.add_reader(self._claim_fd, self._on_claimed, self._claim_fd)
         loop.on_tick.add(self._on_tick)
-        self._timers.append(loop.call_repeatedly(consumer.wakeups.poll_interval, self._poll))
+        self._timers.append(loop.call_repeatedly(consumer.poll_interval, self._poll))
         consumer.poll_soon()
 
     def stop(self) -> None:
@@ -103,13 +99,13 @@ class LoopDriver:
             _cancel(timer)
         self._timers.clear()
         self._due_timer = self._retry_timer = None
-        self.consumer.wakeups.due_passed()
+        self.consumer.due_passed()
         self._retry_armed = False
 
     # -- what the loop calls ---------------------------------------------------------------
 
     def _on_notified(self, fileno: int) -> None:
-        self._schedule_due(self.consumer.wakeups.read())
+        self._schedule_due(self.consumer.read_news())
         self._deliver()
 
     def _on_claimed(self, fileno: int) -> None:
@@ -128,22 +124,22 @@ class LoopDriver:
         if consumer.claimer is not None and consumer.claimer.answered:
             # answered while the listener's statements waited for it
             self._on_readable(consumer.claimer.fileno())
-        due = consumer.wakeups.take_new_due()  # noted outside a reader or a poll (a watch)
+        due = consumer.take_new_due()  # noted outside a reader or a poll (a watch)
         if due is not None:
             self._schedule_due(due)
-        if consumer.poll_due == 0.0 and consumer.consuming:
+        if consumer.poll_asked and consumer.consuming:
             self._poll()
-        if consumer.wakeups.pending or consumer.wakeups.handed:
+        if consumer.has_news:
             self._deliver(in_tick=True)
 
     def _on_due(self) -> None:
-        self.consumer.wakeups.due_passed()
+        self.consumer.due_passed()
         self._poll()
         self._deliver()
 
     def _on_retry(self) -> None:
         self._retry_armed = False
-        if self.consumer.wakeups.pending:
+        if self.consumer.has_news:
             self._deliver()
 
     # -- helpers -------------------------------------------------------------------------------
@@ -156,15 +152,17 @@ class LoopDriver:
         self._arm_retry()
 
     def _arm_retry(self) -> None:
-        if self.consumer.wakeups.pending and not self._retry_armed:
+        if self.consumer.has_news and not self._retry_armed:
             # a claim put off for batching must still happen soon
             self._retry_armed = True
             self._retry_timer = self.loop.call_later(CLAIM_BATCH_WAIT, self._on_retry)
 
-    def _schedule_due(self, due: float | None) -> None:
-        self.consumer.wakeups.take_new_due()
-        if due is None:
+    def _schedule_due(self, due_in: float | None) -> None:
+        """Wake the consumer when a delayed message falls due, ``due_in`` seconds from
+        now (None: no new due time)."""
+        self.consumer.take_new_due()
+        if due_in is None:
             return
-        delay = max(due - time.time(), 0.0) + 0.001
+        delay = max(due_in, 0.0) + 0.001
         _cancel(self._due_timer)
         self._due_timer = self.loop.call_later(delay, self._on_due)

@@ -86,7 +86,6 @@ class RelayClient:
         self.conninfo = conninfo
         self.options = options
         self.tokens: dict[str, str] = {}
-        self.no_ack: set[str] = set()
         #: the queues consumed, and those waited for (a drained queue: see Listener.turn)
         self.consumed: set[str] = set()
         self.watched: set[str] = set()

@@ -14,9 +14,10 @@ Typed deliveries in (a tag, or (id, lease)), SQL out, through three parts:
   says it committed (threads and solo pools) sends nothing at all.
 
 Who writes what: :class:`Settler`'s fields are written by the consumer's thread
-(``closed`` by the consumer as the transport closes and reopens, ``store`` on a
-failover); the ledger's dict only under its lock; :data:`ATOMIC_TAGS` by the consumer's
-thread (expect, take, forget) and by a task's thread in the same process (committed).
+(``closed`` by :meth:`Settler.close` and :meth:`Settler.reopen` as the transport
+closes and reopens, ``store`` on a failover); the ledger's dict only under its lock;
+:data:`ATOMIC_TAGS` by the consumer's thread (expect, take, forget) and by a task's
+thread in the same process (committed).
 """
 
 from __future__ import annotations
@@ -162,6 +163,10 @@ class Settler:
         self.closed = False
         #: tag -> why its body could not be decoded: its ack dead-letters it instead
         self._undecodable: dict[str, str] = {}
+
+    def reopen(self) -> None:
+        """The transport connected again (after a close): ack in batches again."""
+        self.closed = False
 
     def use_store(self, store: Store) -> None:
         self.store = self._keeper.store = store

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import psycopg
 
@@ -39,9 +39,16 @@ class Wakeups:
     - ``listener``: :meth:`open` and :meth:`close`.
     """
 
-    def __init__(self, conninfo: str, options: Options) -> None:
+    def __init__(
+        self,
+        conninfo: str,
+        options: Options,
+        no_ack: Callable[[str], bool] = lambda queue: False,
+    ) -> None:
         self.conninfo = conninfo
         self.options = options
+        #: whether a queue is consumed without acks (the consumer's subscriptions say)
+        self._no_ack = no_ack
         #: the LISTEN session, or the host's relay (transport option relay)
         self.listener: Listener | RelayClient | None = None
         #: no session can LISTEN (a pooler took it): the consumer polls (see open)
@@ -72,7 +79,7 @@ class Wakeups:
             self.listener = (
                 RelayClient(self.conninfo, self.options)
                 if self.relayed
-                else Listener(self.conninfo, self.options)
+                else Listener(self.conninfo, self.options, self._no_ack)
             )
         opened = self.listener.open()
         if opened is None:
@@ -127,10 +134,9 @@ class Wakeups:
     def fileno(self) -> int | None:
         return None if self.listener is None else self.listener.fileno()
 
-    def watch(self, queue: str, no_ack: bool) -> None:
+    def watch(self, queue: str) -> None:
         """A new subscription: notified from now on (if listening), claimed from once."""
         if self.listener is not None:
-            (self.listener.no_ack.add if no_ack else self.listener.no_ack.discard)(queue)
             self._heard(self.listener.watch([queue]))
         self.news([queue])
 
