@@ -46,6 +46,7 @@ def _from_now(epoch: float | None) -> float | None:
     """Seconds from now until ``epoch`` (a due time, the database's epoch seconds)."""
     return None if epoch is None else epoch - time.time()
 
+
 logger = logging.getLogger(__name__)
 
 
