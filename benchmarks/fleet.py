@@ -18,7 +18,8 @@ consumes), started one after the other:
 
 Direct consumers LISTEN (wakeups by NOTIFY) each; relayed ones (transport option
 ``relay``) share one LISTEN session, the host relay's; pooled ones poll (no
-``listen_url``), as a pooler-only deployment does. Each row's figures go beside the
+``listen_url``), as a pooler-only deployment does, each (``pgbouncer``) or their host's
+relay for all (``pgbouncer_relay``). Each row's figures go beside the
 1-consumer row's of its mode. Run: ``python -m benchmarks --only fleet`` (``--runs N``
 repeats the sweep, alternating the order of the modes).
 """
@@ -40,7 +41,7 @@ from .listeners import cluster
 from .scale import tree_cpu
 
 COUNTS = (1, 50, 200)
-MODES = ("direct", "relay", "pgbouncer")
+MODES = ("direct", "relay", "pgbouncer", "pgbouncer_relay")
 MAX_CONNECTIONS = 100
 BOUNCER_POOL = 40
 #: seconds of each window
@@ -263,11 +264,12 @@ def bench_fleet(ctx: Ctx) -> dict[str, list[float]]:
                 "relay": direct,
                 "pgbouncer": f"pgqueue://postgres@127.0.0.1:{bouncer.port}/postgres",
             }
+            targets["pgbouncer_relay"] = targets["pgbouncer"]
             for run in range(ctx.runs):
                 for mode in MODES if run % 2 == 0 else tuple(reversed(MODES)):
                     schema = f"{ctx.prefix}_fleet_{mode}"
                     options = {"schema": schema, "polling_interval": 5.0}
-                    if mode == "relay":
+                    if mode.endswith("relay"):
                         options["relay"] = True
                     consumers = Consumers(targets[mode], options)
                     try:
