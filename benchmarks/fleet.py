@@ -20,7 +20,9 @@ Direct consumers LISTEN (wakeups by NOTIFY) each; relayed ones (transport option
 ``relay``) share one LISTEN session, the host relay's; pooled ones poll (no
 ``listen_url``), as a pooler-only deployment does, each (``pgbouncer``) or their host's
 relay for all (``pgbouncer_relay``). Each row's figures go beside the
-1-consumer row's of its mode. Run: ``python -m benchmarks --only fleet`` (``--runs N``
+1-consumer row's of its mode. The same consumers and publisher against RabbitMQ and
+Redis, side by side, give their servers' client connections (``rabbitmqctl
+list_connections``, Redis' ``INFO clients``), rate and latency. Run: ``python -m benchmarks --only fleet`` (``--runs N``
 repeats the sweep, alternating the order of the modes).
 """
 
@@ -30,8 +32,10 @@ import multiprocessing as mp
 import os
 import queue as stdqueue
 import statistics
+import subprocess
 import sys
 import time
+from functools import partial
 from typing import Any
 
 import psycopg
@@ -42,6 +46,9 @@ from .scale import tree_cpu
 
 COUNTS = (1, 50, 200)
 MODES = ("direct", "relay", "pgbouncer", "pgbouncer_relay")
+#: the peers, side by side: the same consumers and publisher on their own servers (no
+#: server CPU: not this cluster's)
+PEERS = ("rabbitmq", "redis")
 MAX_CONNECTIONS = 100
 BOUNCER_POOL = 40
 #: seconds of each window
@@ -51,7 +58,7 @@ LATENCY_RATE = 200.0
 QUEUE = "fleet"
 
 FLEET_FIGURES: dict[str, tuple[str, str, str]] = {}
-for _mode in MODES:
+for _mode in MODES + PEERS:
     for _n in COUNTS:
         FLEET_FIGURES[f"fleet_{_mode}_sessions_{_n}"] = (
             f"Fleet {_mode}, {_n} idle consumers: server sessions",
@@ -214,6 +221,31 @@ def _sessions(monitor: psycopg.Connection) -> int:
     return int(row[0]) if row else 0
 
 
+def _peer_connections(mode: str, url: str) -> int:
+    """Client connections the peer's server holds now (RabbitMQ's ``rabbitmqctl
+    list_connections``; Redis' ``INFO clients`` but the asking one); -1 when the harness
+    cannot ask."""
+    if mode == "rabbitmq":
+        try:
+            listed = subprocess.run(
+                ["rabbitmqctl", "-q", "list_connections", "pid"],
+                capture_output=True,
+                text=True,
+                timeout=60,
+                check=True,
+            )
+        except (OSError, subprocess.SubprocessError):
+            return -1
+        return sum(1 for line in listed.stdout.splitlines() if line.strip().startswith("<"))
+    import redis
+
+    client = redis.Redis.from_url(url)
+    try:
+        return int(client.info("clients")["connected_clients"]) - 1
+    finally:
+        client.close()
+
+
 def _server_cpu(datadir: str) -> float:
     with open(os.path.join(datadir, "postmaster.pid")) as f:
         return tree_cpu(int(f.readline()))
@@ -221,23 +253,25 @@ def _server_cpu(datadir: str) -> float:
 
 def _row(
     c: Any,
-    monitor: psycopg.Connection,
+    connections: Any,
     url: str,
     options: dict[str, Any],
     consumers: Consumers,
     n: int,
 ) -> dict[str, float]:
+    """One row's figures; ``c`` the cluster (None for a peer: no server CPU), and
+    ``connections()`` the server's client sessions or connections."""
     consumers.grow(n)
     consumers.latencies()  # what came before
     figures: dict[str, float] = {
         "started": consumers.started,
-        "sessions": _sessions(monitor),
+        "sessions": connections(),
     }
-    cpu0 = _server_cpu(c.datadir)
+    cpu0 = _server_cpu(c.datadir) if c is not None else 0.0
     published, took = _publish(url, options, RATE_SECONDS, 0.0)
-    cpu = _server_cpu(c.datadir) - cpu0
     figures["rate"] = published / took if took else 0.0
-    figures["cpu"] = cpu / max(published, 1) * 1e6
+    if c is not None:
+        figures["cpu"] = (_server_cpu(c.datadir) - cpu0) / max(published, 1) * 1e6
     consumers.latencies()
     _publish(url, options, LATENCY_SECONDS, LATENCY_RATE)
     found = sorted(consumers.latencies())
@@ -266,7 +300,11 @@ def bench_fleet(ctx: Ctx) -> dict[str, list[float]]:
             }
             targets["pgbouncer_relay"] = targets["pgbouncer"]
             for run in range(ctx.runs):
-                for mode in MODES if run % 2 == 0 else tuple(reversed(MODES)):
+                every = MODES + PEERS
+                for mode in every if run % 2 == 0 else tuple(reversed(every)):
+                    if mode in PEERS:
+                        _peer_rows(ctx, mode, out)
+                        continue
                     schema = f"{ctx.prefix}_fleet_{mode}"
                     options = {"schema": schema, "polling_interval": 5.0}
                     if mode.endswith("relay"):
@@ -276,7 +314,7 @@ def bench_fleet(ctx: Ctx) -> dict[str, list[float]]:
                         for n in COUNTS:
                             log(f"  fleet {mode}: {n} idle consumers")
                             for key, value in _row(
-                                c, monitor, targets[mode], options, consumers, n
+                                c, partial(_sessions, monitor), targets[mode], options, consumers, n
                             ).items():
                                 out.setdefault(f"fleet_{mode}_{key}_{n}", []).append(value)
                         if consumers.failures:
@@ -287,3 +325,23 @@ def bench_fleet(ctx: Ctx) -> dict[str, list[float]]:
                     finally:
                         consumers.close()
     return out
+
+
+def _peer_rows(ctx: Ctx, mode: str, out: dict[str, list[float]]) -> None:
+    """The same sweep against a peer (``ctx.brokers``' URL for it), if it is available."""
+    broker = ctx.brokers.get(mode)
+    if broker is None or not broker.available:
+        log(f"  fleet {mode}: not available")
+        return
+    url = broker.url
+    before = _peer_connections(mode, url)
+    consumers = Consumers(url, {})
+    try:
+        for n in COUNTS:
+            log(f"  fleet {mode}: {n} idle consumers")
+            figures = _row(None, partial(_peer_connections, mode, url), url, {}, consumers, n)
+            figures["sessions"] -= before  # other clients of the shared server
+            for key, value in figures.items():
+                out.setdefault(f"fleet_{mode}_{key}_{n}", []).append(value)
+    finally:
+        consumers.close()
