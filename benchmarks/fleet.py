@@ -22,8 +22,9 @@ Direct consumers LISTEN (wakeups by NOTIFY) each; relayed ones (transport option
 relay for all (``pgbouncer_relay``). Each row's figures go beside the
 1-consumer row's of its mode. The same consumers and publisher against RabbitMQ and
 Redis, side by side, give their servers' client connections (``rabbitmqctl
-list_connections``, Redis' ``INFO clients``), rate and latency. Run: ``python -m benchmarks --only fleet`` (``--runs N``
-repeats the sweep, alternating the order of the modes).
+list_connections``, Redis' ``INFO clients``), rate and latency. Run:
+``python -m benchmarks --only fleet`` (``--runs N`` repeats the sweep, alternating the
+order of the modes).
 """
 
 from __future__ import annotations
