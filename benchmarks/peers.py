@@ -55,6 +55,15 @@ def make_brokers(settings: Settings, prefix: str) -> dict[str, Broker]:
             {"schema": f"{prefix}_fast", "synchronous_commit": "off", "confirm_publish": False},
             url_via=lambda port: settings.pg_url("pgqueue", via_port=port),
         ),
+        # the host's relay (transport option relay): one LISTEN session for a host's
+        # consumers, no handoffs, claims in the event loop's thread (not by default:
+        # --brokers pgqueue,pgqueue_relay,rabbitmq for what it costs a single worker)
+        "pgqueue_relay": Broker(
+            "pgqueue_relay",
+            pgqueue_url,
+            {"schema": f"{prefix}_relay", "relay": True},
+            url_via=lambda port: settings.pg_url("pgqueue", via_port=port),
+        ),
         "redis": Broker("redis", settings.redis_url),
         "rabbitmq": Broker("rabbitmq", settings.amqp_url),
         # RabbitMQ with publisher confirms: a publish returns once the broker has the

@@ -39,7 +39,7 @@ def cell(vals: list[float] | None) -> str:
 
 
 #: pgqueue's opt-in variants (benchmarks/peers.py), shown with ratios of their own
-VARIANTS = ("pgqueue_async", "pgqueue_fast")
+VARIANTS = ("pgqueue_async", "pgqueue_fast", "pgqueue_relay")
 
 
 def build_table(ctx: Ctx, results: Results, groups: list[str]) -> list[list[str]]:
