@@ -158,13 +158,15 @@ def _under_kills(
     publish: Callable[[Run, psycopg.Connection], Any],
     timeout: float,
     wait_ready: bool = False,
+    options: dict[str, Any] = KILL_OPTIONS,
 ) -> Result:
-    """3 prefork workers x 3 processes (prefetch 4, ``acks_late``) run ``chaos.work``
-    while a :class:`Killer` kills; ``publish(run, conn)`` starts the publishing and
-    returns something with ``is_alive()``. Passed: drained, the ledger's criteria (0
-    lost, no overlap, every duplicate explained), no worker exited by itself."""
+    """3 prefork workers x 3 processes (prefetch 4, ``acks_late``, transport
+    ``options``) run ``chaos.work`` while a :class:`Killer` kills; ``publish(run,
+    conn)`` starts the publishing and returns something with ``is_alive()``. Passed:
+    drained, the ledger's criteria (0 lost, no overlap, every duplicate explained), no
+    worker exited by itself."""
     with ctx.run(name) as run, run.connect() as conn:
-        fleet = run.fleet(KILL_OPTIONS, concurrency=3, prefetch=4)
+        fleet = run.fleet(options, concurrency=3, prefetch=4)
         for _ in range(3):
             fleet.spawn()
         if wait_ready:
@@ -254,12 +256,13 @@ class _Producers:
         return [p.exitcode for p in self.processes if p.exitcode != 0]
 
 
-def handoff(ctx: Context) -> Result:
-    """kill's workers and kills, but the tasks are sent one by one (``send_task``) by
-    producer processes at a rate the workers keep up with: they mostly wait, so most
-    publishes lease the message to a waiting worker (a handoff) rather than queue it."""
-    n = ctx.tasks or (2000 if ctx.quick else 20_000)
-    rng = random.Random(13)
+def _one_by_one_under_kills(
+    ctx: Context, name: str, n: int, seed: int, options: dict[str, Any]
+) -> Result:
+    """kill's workers (transport ``options``) and kills, the tasks sent one by one
+    (``send_task``) by producer processes at a rate the workers keep up with: they
+    mostly wait for news."""
+    rng = random.Random(seed)
     mp = multiprocessing.get_context("spawn")
     share = n // HANDOFF_PRODUCERS
     counts = [share + (i < n - share * HANDOFF_PRODUCERS) for i in range(HANDOFF_PRODUCERS)]
@@ -277,7 +280,14 @@ def handoff(ctx: Context) -> Result:
 
     try:
         result = _under_kills(
-            ctx, "handoff", n, rng, publish, timeout=n / HANDOFF_RATE + 600, wait_ready=True
+            ctx,
+            name,
+            n,
+            rng,
+            publish,
+            timeout=n / HANDOFF_RATE + 600,
+            wait_ready=True,
+            options=options,
         )
     finally:
         for p in producers[0].processes if producers else []:
@@ -287,13 +297,27 @@ def handoff(ctx: Context) -> Result:
     failed = producers[0].failed() if producers else []
     fig = result.figures
     assert fig is not None
-    handed = fig.handoff_share()
     if failed:
         result.passed = False
         result.notes.append(f"producer processes exited with {failed}")
     if fig.published != n:
         result.passed = False
         result.notes.append(f"{fig.published} of {n} publishes were written down")
+    result.measures[1:1] = [
+        ("producers x tasks, one send_task each", f"{HANDOFF_PRODUCERS} x {counts[0]}"),
+        ("publish rate (tasks/s, all producers)", HANDOFF_RATE),
+    ]
+    return result
+
+
+def handoff(ctx: Context) -> Result:
+    """Tasks sent one by one while workers are killed: most publishes lease the message
+    to a waiting worker (a handoff) rather than queue it."""
+    n = ctx.tasks or (2000 if ctx.quick else 20_000)
+    result = _one_by_one_under_kills(ctx, "handoff", n, 13, KILL_OPTIONS)
+    fig = result.figures
+    assert fig is not None
+    handed = fig.handoff_share()
     if handed < HANDOFF_MIN_SHARE:
         result.passed = False
         result.notes.append(
@@ -301,11 +325,16 @@ def handoff(ctx: Context) -> Result:
             f"{HANDOFF_MIN_SHARE:.0%} wanted): the handoff path was not what ran; publish "
             "slower (CHAOS_HANDOFF_RATE)"
         )
-    result.measures[1:1] = [
-        ("producers x tasks, one send_task each", f"{HANDOFF_PRODUCERS} x {counts[0]}"),
-        ("publish rate (tasks/s, all producers)", HANDOFF_RATE),
-    ]
     return result
+
+
+def relay(ctx: Context) -> Result:
+    """handoff's tasks and kills, the workers relayed (transport option ``relay``): the
+    host's one LISTEN session is the hub worker's, and a main process killed is the
+    hub's a third of the time; its clients find a new hub (a Celery worker reconnects)
+    and claim from every queue once. Nothing may be lost or run twice unexplained."""
+    n = ctx.tasks or (2000 if ctx.quick else 20_000)
+    return _one_by_one_under_kills(ctx, "relay", n, 17, {**KILL_OPTIONS, "relay": True})
 
 
 # -- 2. long ------------------------------------------------------------------------------

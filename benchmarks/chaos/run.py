@@ -4,8 +4,8 @@
     python -m benchmarks.chaos [scenario ...] [--tasks N] [--minutes M] [--quick]
     python benchmarks/chaos/run.py kill --tasks 5000    # from the repo root: the same
 
-Scenarios: kill, handoff, long, dbrestart, listenkill, poison, load, snapshot, failover, atomic,
-dumps, beat
+Scenarios: kill, handoff, relay, long, dbrestart, listenkill, poison, load, snapshot, failover,
+atomic, dumps, beat
 (default: all).
 The exit status is 0 when every scenario passed.
 """
@@ -44,6 +44,7 @@ DEFAULT_DSN = "postgresql://postgres@127.0.0.1:5432/test"
 SCENARIOS = [
     "kill",
     "handoff",
+    "relay",
     "long",
     "dbrestart",
     "listenkill",
