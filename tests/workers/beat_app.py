@@ -19,11 +19,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from functools import partial
+from pathlib import Path
 from typing import Any
 
 import psycopg
 from celery import Celery
 from celery_apps import celery_app, lazy_app
+from celery_workers import app_env
 from helpers import wait_gate
 from kombu import Queue
 from kombu.common import Broadcast
@@ -98,21 +101,9 @@ class Ledger:
         wait_gate(self.dsn, self.schema, gate, GATE_LIMIT, table="ledger_gate")
 
 
-def process_env(dsn: str, schema: str, **settings: Any) -> dict[str, str]:
-    """The environment for ``celery -A beat_app ...``; ``settings`` without the prefix."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    env = {
-        **os.environ,
-        # tests/ too: the app comes from celery_apps, its waits from waiting
-        "PYTHONPATH": os.pathsep.join(
-            [here, os.path.dirname(here), os.environ.get("PYTHONPATH", "")]
-        ).rstrip(os.pathsep),
-        "PGQUEUE_DSN": dsn,
-        "PGQUEUE_SCHEMA": schema,
-    }
-    for key, value in settings.items():
-        env[f"PGQUEUE_{key.upper()}"] = str(value)
-    return env
+#: ``process_env(dsn, schema, **settings)``: the environment for ``celery -A beat_app
+#: ...``; ``settings`` are the variables above without the prefix, in lower case
+process_env = partial(app_env, Path(__file__).resolve().parent)
 
 
 def make_app(

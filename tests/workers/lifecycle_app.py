@@ -23,11 +23,14 @@ import signal
 import subprocess
 import sys
 from collections.abc import Mapping
+from functools import partial
+from pathlib import Path
 from typing import Any
 
 import psycopg
 from celery import Celery
 from celery_apps import celery_app, lazy_app
+from celery_workers import app_env
 from helpers import wait_gate
 from psycopg import sql
 
@@ -67,25 +70,10 @@ def create_ledger(conn: psycopg.Connection, schema: str, ledger: str = "ledger")
     )
 
 
-def worker_env(dsn: str, schema: str, **settings: Any) -> dict[str, str]:
-    """The environment for a process running ``celery -A lifecycle_app ...``.
-
-    ``settings`` are the variables above without their ``PGQUEUE_`` prefix, in
-    lower case (``visibility_timeout=3``).
-    """
-    here = os.path.dirname(os.path.abspath(__file__))
-    env = {
-        **os.environ,
-        # tests/ too: the app comes from celery_apps, its waits from waiting
-        "PYTHONPATH": os.pathsep.join(
-            [here, os.path.dirname(here), os.environ.get("PYTHONPATH", "")]
-        ).rstrip(os.pathsep),
-        "PGQUEUE_DSN": dsn,
-        "PGQUEUE_SCHEMA": schema,
-    }
-    for key, value in settings.items():
-        env[f"PGQUEUE_{key.upper()}"] = str(value)
-    return env
+#: ``worker_env(dsn, schema, **settings)``: the environment for a process running
+#: ``celery -A lifecycle_app ...``; ``settings`` are the variables above without their
+#: ``PGQUEUE_`` prefix, in lower case (``visibility_timeout=3``)
+worker_env = partial(app_env, Path(__file__).resolve().parent)
 
 
 def pgqueue_cli(
