@@ -100,3 +100,27 @@ def new_database(dsn: str, prefix: str = "pgq") -> Iterator[str]:
             conn.execute(
                 sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
             )
+
+
+def configure_django(dsn: str, elsewhere: str) -> None:
+    """Django on ``dsn`` ("default"), on ``elsewhere``, another database of its server
+    (where the broker schema is not), and on an in-memory SQLite ("lite"); once per
+    process, by whichever test needs it first (Django is configured only once)."""
+    import django  # noqa: PLC0415 - only the tests that use Django need it installed
+    from django.conf import settings  # noqa: PLC0415
+
+    import celery_pgqueue.django  # noqa: PLC0415
+
+    if settings.configured:
+        assert "elsewhere" in settings.DATABASES, "Django was configured by someone else"
+        return
+    settings.configure(
+        DATABASES={
+            "default": celery_pgqueue.django.database_settings(dsn),
+            "elsewhere": celery_pgqueue.django.database_settings(elsewhere),
+            "lite": {"ENGINE": "django.db.backends.sqlite3", "NAME": ":memory:"},
+        },
+        INSTALLED_APPS=[],
+        USE_TZ=True,
+    )
+    django.setup()
