@@ -12,14 +12,11 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import uuid
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
 from pathlib import Path
 
 import psycopg
 from psycopg import sql
-from psycopg.conninfo import make_conninfo
 
 
 def _candidates() -> Iterator[Path]:
@@ -85,22 +82,6 @@ def restore(dsn: str, path: Path, *extra: str) -> None:
     with psycopg.connect(dsn) as conn:
         tools = bindir(conn)
     run(tools / "pg_restore", "--exit-on-error", "-d", dsn, *extra, str(path))
-
-
-@contextmanager
-def new_database(dsn: str, prefix: str = "restored") -> Iterator[str]:
-    """A new, empty database on ``dsn``'s server for the block; its DSN."""
-    name = f"{prefix}_{uuid.uuid4().hex[:10]}"
-    admin = make_conninfo(dsn, dbname="postgres")
-    with psycopg.connect(admin, autocommit=True) as conn:
-        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-    try:
-        yield make_conninfo(dsn, dbname=name)
-    finally:
-        with psycopg.connect(admin, autocommit=True) as conn:
-            conn.execute(
-                sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
-            )
 
 
 def storage_disagreements(conn: psycopg.Connection, schema: str) -> list[str]:

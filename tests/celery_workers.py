@@ -3,7 +3,9 @@ in a file, in a process group of their own, and killed with their pool children 
 the test ends (``Workers`` as a fixture's body).
 
 The ``spawn`` fixture (``tests/conftest.py``) starts workers of the :class:`WorkerApp`
-that a test directory gives as its ``worker_app`` fixture.
+that a test directory gives as its ``worker_app`` fixture. :func:`app_env` is the
+environment of every process that runs a test app (worker, beat, ``celery pgqueue``,
+an exporter).
 
 Importable from every test directory (``tests/`` is on ``sys.path``, see ``waiting``).
 """
@@ -23,6 +25,27 @@ from waiting import Process, wait_for
 
 #: what every test worker runs without: no peers to wait for, no heartbeats to send
 QUIET = ("--without-mingle", "--without-gossip", "--without-heartbeat")
+
+TESTS = Path(__file__).resolve().parent
+
+
+def app_env(
+    app_dir: Path, dsn: str, schema: str, *, prefix: str = "PGQUEUE", **settings: object
+) -> dict[str, str]:
+    """The environment of a process that imports a test app of ``app_dir`` (``celery -A
+    module ...``): this process's, with ``app_dir``, ``tests/`` (the app's helpers) and
+    the checkout (its packages, not another installed copy) first on ``PYTHONPATH``;
+    ``PREFIX_DSN``, ``PREFIX_SCHEMA``, and each setting as ``PREFIX_NAME``
+    (``visibility_timeout=3``: ``PGQUEUE_VISIBILITY_TIMEOUT=3``)."""
+    path = [str(app_dir), str(TESTS), str(TESTS.parent), os.environ.get("PYTHONPATH", "")]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(path).rstrip(os.pathsep),
+        f"{prefix}_DSN": dsn,
+        f"{prefix}_SCHEMA": schema,
+    }
+    env.update({f"{prefix}_{key.upper()}": str(value) for key, value in settings.items()})
+    return env
 
 
 class Worker(Process):

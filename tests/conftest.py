@@ -8,7 +8,9 @@ database: if none can be had, they fail.
 
 The helpers every test directory imports live beside this file: ``waiting`` (the one
 way to wait), ``celery_apps`` (the one Celery app factory), ``celery_workers`` (worker
-processes: the ``spawn`` fixture below) and ``helpers`` (gates, counts).
+processes: the ``spawn`` fixture below; ``app_env``, the environment of a test app's
+processes) and ``helpers`` (gates, counts, filling and draining a queue, a database of
+its own, Django's settings).
 """
 
 from __future__ import annotations

@@ -17,11 +17,7 @@ means committed, and an execution cut short by a kill has no end.
 
 from __future__ import annotations
 
-import json
-import os
 import random
-import subprocess
-import sys
 import time
 from typing import Any
 
@@ -65,36 +61,7 @@ def make_atomic_app(dsn: str, schema: str, run: str, options: dict[str, Any], pr
 class AtomicFleet(procs.Fleet):
     """A :class:`procs.Fleet` whose workers run this module's app."""
 
-    def spawn(self) -> procs.Worker:
-        self.started += 1
-        name = f"w{self.started}"
-        log_path = self.logs / f"{self.run}-{name}.log"
-        env = {
-            **os.environ,
-            "PYTHONPATH": os.pathsep.join(
-                filter(None, [str(procs.ROOT), os.environ.get("PYTHONPATH")])
-            ),
-            "CHAOS_DSN": self.dsn,
-            "CHAOS_SCHEMA": self.schema,
-            "CHAOS_RUN": self.run,
-            "CHAOS_OPTIONS": json.dumps(self.options),
-            "CHAOS_PREFETCH": str(self.prefetch),
-        }
-        command = [sys.executable, "-m", "celery", "-A", __name__, "worker", "-n", f"{name}@chaos"]
-        command += ["-P", "prefork", "-c", str(self.concurrency), "-Q", "celery", "-l", "warning"]
-        command += ["--without-mingle", "--without-gossip", "--without-heartbeat"]
-        with open(log_path, "wb") as log:
-            proc = subprocess.Popen(
-                command,
-                cwd=procs.ROOT,
-                env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        worker = procs.Worker(f"{name}@chaos", proc, log_path)
-        self.workers.append(worker)
-        return worker
+    app = __name__
 
 
 def _effect_counts(conn: psycopg.Connection, schema: str, run_id: str) -> dict[str, int]:

@@ -38,6 +38,7 @@ import celery_pgqueue
 import kombu_pgqueue
 from kombu_pgqueue import admin
 
+from ..peers import drop_schema
 from . import procs
 from .context import Context, Result
 
@@ -222,4 +223,4 @@ def _celerys_own(ctx: Context, schema: str, conn: psycopg.Connection) -> float:
     finally:
         beats.stop()
         if not ctx.keep:
-            procs.drop_schema(ctx.dsn, schema)
+            drop_schema(ctx.dsn, schema)

@@ -11,6 +11,7 @@ from typing import Any
 
 import psycopg
 
+from ..peers import drop_schema
 from . import ledger, procs
 from .app import make_app
 
@@ -70,7 +71,7 @@ class Context:
                 app.close()
             procs.pg_ensure_running()
             if not self.keep:
-                procs.drop_schema(self.dsn, schema)
+                drop_schema(self.dsn, schema)
                 with psycopg.connect(self.dsn, autocommit=True) as conn:
                     ledger.drop(conn, run_id)
                     try:  # the ledger schema too, unless another run still uses it

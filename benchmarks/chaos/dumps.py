@@ -28,9 +28,11 @@ from . import procs
 from .context import Context, Result
 from .kombu_scenarios import QUEUE, _drain_results, consumer, producer
 
-# the dump helpers live with the tests, which use them too; the chaos suite borrows them
+# the dump helpers (and new_database) live with the tests, which use them too; the chaos
+# suite borrows them
 sys.path.insert(0, str(procs.ROOT / "tests"))
 import backups  # noqa: E402
+from helpers import new_database  # noqa: E402
 
 #: the queue no one consumes: its messages must be in every dump, once
 KEPT = "kept"
@@ -64,7 +66,7 @@ def _kept_in_dump(tools: Path, path: Path, schema: str) -> Counter[str]:
 
 def _restore_check(dsn: str, path: Path, schema: str) -> str | None:
     """Restore ``path`` into a new database and use it as a broker; what went wrong."""
-    with backups.new_database(dsn, "chaos_restore") as restored:
+    with new_database(dsn, "chaos_restore") as restored:
         backups.restore(restored, path)
         with psycopg.connect(restored, autocommit=True) as db:
             # the broker's first connection puts the generation sequence back where a

@@ -108,48 +108,11 @@ def __getattr__(name: str) -> Any:
 
 
 def _spawn_worker(run: Run, url: str, name: str) -> procs.Worker:
+    env = procs.worker_env(
+        dsn=run.ctx.dsn, schema=run.schema, run=run.run_id, broker_url=url, prefetch=4
+    )
     log_path = run.ctx.logs / f"{run.run_id}-{name}.log"
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(
-            filter(None, [str(procs.ROOT), os.environ.get("PYTHONPATH")])
-        ),
-        "CHAOS_DSN": run.ctx.dsn,
-        "CHAOS_SCHEMA": run.schema,
-        "CHAOS_RUN": run.run_id,
-        "CHAOS_BROKER_URL": url,
-        "CHAOS_PREFETCH": "4",
-    }
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "celery",
-                "-A",
-                "benchmarks.chaos.failover",
-                "worker",
-                "-n",
-                f"{name}@chaos",
-                "-P",
-                "prefork",
-                "-c",
-                "2",
-                "-Q",
-                "celery",
-                "-l",
-                "warning",
-                "--without-mingle",
-                "--without-gossip",
-                "--without-heartbeat",
-            ],
-            cwd=procs.ROOT,
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    return procs.Worker(f"{name}@chaos", proc, log_path)
+    return procs.start_worker("benchmarks.chaos.failover", name, log_path, env, concurrency=2)
 
 
 def _stop(worker: procs.Worker) -> None:

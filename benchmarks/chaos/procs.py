@@ -9,10 +9,10 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import psutil
 import psycopg
@@ -79,6 +79,38 @@ class Worker:
             pass
 
 
+def worker_env(**variables: object) -> dict[str, str]:
+    """The environment of a chaos worker: this process's, with the checkout first on
+    ``PYTHONPATH`` and each of ``variables`` as ``CHAOS_<NAME>`` (``run=...``: ``CHAOS_RUN``)."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
+    env.update({f"CHAOS_{key.upper()}": str(value) for key, value in variables.items()})
+    return env
+
+
+def start_worker(
+    app: str, name: str, log_path: Path, env: Mapping[str, str], concurrency: int
+) -> Worker:
+    """``celery -A APP worker -n NAME@chaos``: prefork, ``concurrency`` children, queue
+    ``celery``, from the checkout, its output in ``log_path``, in a process group of its
+    own (:meth:`Worker.kill_group` ends its pool children too)."""
+    command = [sys.executable, "-m", "celery", "-A", app, "worker", "-n", f"{name}@chaos"]
+    command += ["-P", "prefork", "-c", str(concurrency), "-Q", "celery", "-l", "warning"]
+    command += ["--without-mingle", "--without-gossip", "--without-heartbeat"]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            command,
+            cwd=ROOT,
+            env=dict(env),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    return Worker(f"{name}@chaos", proc, log_path)
+
+
 @dataclass
 class Fleet:
     """The workers of one scenario; every process it started is gone after :meth:`stop`."""
@@ -92,6 +124,8 @@ class Fleet:
     prefetch: int = 4
     workers: list[Worker] = field(default_factory=list)
     started: int = 0
+    #: the module its workers run (``celery -A``); a subclass's own app
+    app: ClassVar[str] = "benchmarks.chaos.app"
     #: workers that exited by themselves and were started again by :meth:`supervise`
     crashed: list[Worker] = field(default_factory=list)
     _stopping: threading.Event = field(default_factory=threading.Event)
@@ -124,46 +158,15 @@ class Fleet:
     def spawn(self) -> Worker:
         self.started += 1
         name = f"w{self.started}"
+        env = worker_env(
+            dsn=self.dsn,
+            schema=self.schema,
+            run=self.run,
+            options=json.dumps(self.options),
+            prefetch=self.prefetch,
+        )
         log_path = self.logs / f"{self.run}-{name}.log"
-        env = {
-            **os.environ,
-            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-            "CHAOS_DSN": self.dsn,
-            "CHAOS_SCHEMA": self.schema,
-            "CHAOS_RUN": self.run,
-            "CHAOS_OPTIONS": json.dumps(self.options),
-            "CHAOS_PREFETCH": str(self.prefetch),
-        }
-        with open(log_path, "wb") as log:
-            proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "celery",
-                    "-A",
-                    "benchmarks.chaos.app",
-                    "worker",
-                    "-n",
-                    f"{name}@chaos",
-                    "-P",
-                    "prefork",
-                    "-c",
-                    str(self.concurrency),
-                    "-Q",
-                    "celery",
-                    "-l",
-                    "warning",
-                    "--without-mingle",
-                    "--without-gossip",
-                    "--without-heartbeat",
-                ],
-                cwd=ROOT,
-                env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        worker = Worker(f"{name}@chaos", proc, log_path)
+        worker = start_worker(self.app, name, log_path, env, self.concurrency)
         self.workers.append(worker)
         return worker
 
@@ -186,11 +189,6 @@ class Fleet:
 
 def create_schema(dsn: str, schema: str) -> None:
     kombu_pgqueue.migrate(dsn, schema)
-
-
-def drop_schema(dsn: str, schema: str) -> None:
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
 
 
 def pg_running() -> bool:

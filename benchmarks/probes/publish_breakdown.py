@@ -54,6 +54,8 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
+from benchmarks.peers import drop_schema  # noqa: E402 - after sys.path
+
 N = int(os.environ.get("PROBE_CALLS", "3000"))
 DSN = "host=127.0.0.1 dbname=test user=postgres"
 SCHEMA = "probe_bd"
@@ -70,13 +72,6 @@ BROKERS: dict[str, tuple[str, dict[str, Any]]] = {
     "rabbitmq": (AMQP, {}),
     "rabbitmq_confirm": (AMQP, {"confirm_publish": True}),
 }
-
-
-def drop_schema() -> None:
-    import psycopg
-
-    with psycopg.connect(DSN, autocommit=True) as conn:
-        conn.execute(f"DROP SCHEMA IF EXISTS {SCHEMA} CASCADE")
 
 
 def make_task(name: str) -> Any:
@@ -164,7 +159,7 @@ def layers(t: collections.Counter[str], n: int) -> dict[str, float]:
 
 
 def timers_main(rounds: int) -> None:
-    drop_schema()
+    drop_schema(DSN, SCHEMA)
     timers = Timers()
     install(timers)
     tasks = {name: make_task(name) for name in BROKERS}
@@ -202,7 +197,7 @@ def timers_main(rounds: int) -> None:
             print(
                 f"  {key:<44} {statistics.median(vals):7.1f} us  [{min(vals):.1f}-{max(vals):.1f}]"
             )
-    drop_schema()
+    drop_schema(DSN, SCHEMA)
 
 
 # -- statements -----------------------------------------------------------------------------
@@ -217,7 +212,7 @@ def statements_main() -> None:
     from kombu_pgqueue._options import notify_channel
     from kombu_pgqueue.records import Outgoing
 
-    drop_schema()
+    drop_schema(DSN, SCHEMA)
     queue = "probe_bd_q"
     from kombu import Connection, Exchange, Queue
 
@@ -276,7 +271,7 @@ def statements_main() -> None:
     print("median us per execution (client call, prepared), 4 rounds [min-max of rounds]")
     for key, vals in results.items():
         print(f"  {key:<52} {statistics.median(vals):7.1f}  [{min(vals):.1f}-{max(vals):.1f}]")
-    drop_schema()
+    drop_schema(DSN, SCHEMA)
 
 
 # -- py-spy ---------------------------------------------------------------------------------
@@ -304,7 +299,7 @@ def loop(name: str) -> None:
 
 
 def pyspy_main(name: str) -> None:
-    drop_schema()
+    drop_schema(DSN, SCHEMA)
     with tempfile.TemporaryDirectory() as tmp:
         raw = os.path.join(tmp, "stacks.txt")
         proc = subprocess.run(
@@ -327,7 +322,7 @@ def pyspy_main(name: str) -> None:
             frames = stack.split(";")
             own[_short(frames[-1])] += int(n)
             libs[_owner(frames)] += int(n)
-    drop_schema()
+    drop_schema(DSN, SCHEMA)
     total = sum(own.values())
     per_call = seconds / N * 1e6
     print(f"{name}: {per_call:.0f} us per apply_async (under py-spy); {total} samples")

@@ -3,38 +3,27 @@ a client app, and real ``celery -A archive_app worker`` processes (prefork)."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
-from typing import Any
 
 import psycopg
 import pytest
 from archive_app import create_tables, make_app
 from celery import Celery
-from celery_workers import WorkerApp
+from celery_workers import WorkerApp, app_env
 
 import kombu_pgqueue
 
 HERE = Path(__file__).resolve().parent
 
 
-def worker_env(dsn: str, schema: str, **settings: Any) -> dict[str, str]:
-    """The environment of ``celery -A archive_app ...``; ``settings`` are ``PGQUEUE_*``
-    variables without the prefix, in lower case (``keep_failed=0``)."""
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(
-            [str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")]
-        ).rstrip(os.pathsep),
-        "PGQUEUE_DSN": dsn,
-        "PGQUEUE_SCHEMA": schema,
-    }
-    env.update({f"PGQUEUE_{key.upper()}": str(value) for key, value in settings.items()})
-    return env
+#: ``worker_env(dsn, schema, **settings)``: the environment of ``celery -A archive_app
+#: ...``; ``settings`` are ``PGQUEUE_*`` variables without the prefix, in lower case
+#: (``keep_failed=0``)
+worker_env = partial(app_env, HERE)
 
 
 @pytest.fixture

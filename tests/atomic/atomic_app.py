@@ -19,11 +19,14 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping
+from functools import partial
+from pathlib import Path
 from typing import Any
 
 import psycopg
 from celery import Celery
 from celery_apps import celery_app, lazy_app
+from celery_workers import app_env
 from helpers import wait_gate
 from psycopg import sql
 
@@ -48,20 +51,9 @@ def create_tables(conn: psycopg.Connection, schema: str) -> None:
         conn.execute(sql.SQL(statement).format(sql.Identifier(schema)))
 
 
-def worker_env(dsn: str, schema: str, **options: Any) -> dict[str, str]:
-    """The environment of a ``celery -A atomic_app worker`` process; ``options`` are
-    transport options (``visibility_timeout=2``)."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    tests = os.path.dirname(here)
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([here, tests, os.path.dirname(tests)]),
-        "ATOMIC_DSN": dsn,
-        "ATOMIC_SCHEMA": schema,
-    }
-    for key, value in options.items():
-        env[f"ATOMIC_{key.upper()}"] = str(value)
-    return env
+#: ``worker_env(dsn, schema, **options)``: the environment of a ``celery -A atomic_app
+#: worker`` process; ``options`` are transport options (``visibility_timeout=2``)
+worker_env = partial(app_env, Path(__file__).resolve().parent, prefix="ATOMIC")
 
 
 _FLOATS = ("visibility_timeout", "lease_renewal_interval", "polling_interval")

@@ -12,6 +12,7 @@ import pytest
 from celery import chain, signals
 from celery.contrib.testing.worker import start_worker
 from conftest import attempts, effects, messages
+from helpers import configure_django
 from psycopg import sql
 from sqlalchemy import create_engine, text
 from sqlalchemy.orm import sessionmaker
@@ -133,7 +134,7 @@ def test_another_database_is_refused_at_first_use(app, tables, worker, db, other
 
 
 def test_django_connection(app, tables, worker, db, dsn, other_database_dsn):
-    django_settings(dsn, other_database_dsn)
+    configure_django(dsn, other_database_dsn)
     from django.db import transaction
 
     @app.task(bind=True, base=AtomicTask, atomic_db=Django(), name="ip.dj", shared=False)
@@ -189,24 +190,3 @@ def test_acks_late_off_is_refused(app, tables, worker, db):
         with pytest.raises(ConfigurationError, match="acks_late"):
             early.delay().get(timeout=30)
     assert not attempts(db, tables)
-
-
-def django_settings(dsn: str, elsewhere: str) -> None:
-    """Django on the test database, configured as tests/ecosystem/test_django.py does
-    (whichever runs first in the process configures it for both)."""
-    import django
-    from django.conf import settings
-
-    if settings.configured:
-        assert "elsewhere" in settings.DATABASES, "Django was configured by someone else"
-        return
-    settings.configure(
-        DATABASES={
-            "default": celery_pgqueue.django.database_settings(dsn),
-            "elsewhere": celery_pgqueue.django.database_settings(elsewhere),
-            "lite": {"ENGINE": "django.db.backends.sqlite3", "NAME": ":memory:"},
-        },
-        INSTALLED_APPS=[],
-        USE_TZ=True,
-    )
-    django.setup()

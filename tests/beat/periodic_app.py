@@ -17,12 +17,14 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import psycopg
 from celery import Celery
 from celery_apps import celery_app, lazy_app
+from celery_workers import app_env
 from psycopg import sql
 
 from kombu_pgqueue.schedule import EntrySpec, Missed
@@ -43,19 +45,9 @@ def every(name: str, seconds: float, missed: Missed = "once") -> EntrySpec:
     )
 
 
-def process_env(dsn: str, schema: str, **settings: Any) -> dict[str, str]:
-    """The environment of ``celery -A periodic_app ...``; ``settings`` are ``PGQUEUE_*``
-    variables without the prefix, in lower case."""
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(
-            [str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")]
-        ).rstrip(os.pathsep),
-        "PGQUEUE_DSN": dsn,
-        "PGQUEUE_SCHEMA": schema,
-    }
-    env.update({f"PGQUEUE_{key.upper()}": str(value) for key, value in settings.items()})
-    return env
+#: ``process_env(dsn, schema, **settings)``: the environment of ``celery -A periodic_app
+#: ...``; ``settings`` are ``PGQUEUE_*`` variables without the prefix, in lower case
+process_env = partial(app_env, HERE)
 
 
 @dataclass(frozen=True, slots=True)

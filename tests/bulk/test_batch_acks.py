@@ -5,16 +5,12 @@ from __future__ import annotations
 import threading
 
 import psycopg
+from helpers import row_count
 from kombu import Consumer, Queue
 from psycopg import sql
 from waiting import wait_for
 
 from kombu_pgqueue.bulk import publish_many
-
-
-def _rows(db, schema: str) -> int:
-    query = sql.SQL("SELECT count(*) FROM {}.message_store").format(sql.Identifier(schema))
-    return db.execute(query).fetchone()[0]
 
 
 def test_acked_messages_leave_the_table(make_connection, db, schema):
@@ -30,7 +26,7 @@ def test_acked_messages_leave_the_table(make_connection, db, schema):
         assert conn.default_channel._size("acks") == 0
     assert sorted(seen) == list(range(500))
     conn.release()  # close flushes whatever is pending
-    assert _rows(db, schema) == 0
+    assert row_count(db, schema) == 0
 
 
 def test_acks_from_another_thread_are_sent(make_connection, db, schema):
@@ -46,7 +42,7 @@ def test_acks_from_another_thread_are_sent(make_connection, db, schema):
         acker.start()
         acker.join()
         # nobody on this transport reads again: the background flusher must send them
-        wait_for(lambda: _rows(db, schema) == 0, 5, "the background flusher to send the acks")
+        wait_for(lambda: row_count(db, schema) == 0, 5, "the background flusher to send the acks")
 
 
 def test_a_stale_batched_ack_does_not_delete_a_newer_delivery(make_connection, store, db, schema):
@@ -65,7 +61,7 @@ def test_a_stale_batched_ack_does_not_delete_a_newer_delivery(make_connection, s
     assert len(other) == 1
     message.ack()
     conn.default_channel.connection.flush_acks()
-    assert _rows(db, schema) == 1  # the newer delivery's row survives the stale ack
+    assert row_count(db, schema) == 1  # the newer delivery's row survives the stale ack
 
 
 def test_a_count_after_an_ack_waits_for_the_batch_on_its_way(make_connection, db, dsn, schema):

@@ -15,6 +15,7 @@ from typing import Any
 import backups
 import psycopg
 import pytest
+from helpers import drain, new_database, row_count
 from kombu import Connection, Producer, Queue
 from psycopg import sql
 
@@ -41,23 +42,6 @@ def _publish(conn: Connection, queue: str, payloads: list[dict[str, Any]]) -> No
         )
 
 
-def _drain(conn: Connection, queue: str) -> list[Any]:
-    got = []
-    bound = Queue(queue, channel=conn.default_channel)
-    while (message := bound.get(no_ack=False)) is not None:
-        got.append(message.payload)
-        message.ack()
-    return got
-
-
-def _count(conn: psycopg.Connection, schema: str, table: str) -> int:
-    row = conn.execute(
-        sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(schema, table))
-    ).fetchone()
-    assert row is not None
-    return int(row[0])
-
-
 @pytest.fixture
 def rotated(
     make_connection: Callable[..., Connection],
@@ -79,7 +63,7 @@ def rotated(
         _publish(conn, KEPT, batch)
         _publish(conn, BUSY, [{"busy": n, "i": i} for i in range(20)])
         conn.default_channel.store.rotate()
-        assert len(_drain(conn, BUSY)) == 20
+        assert len(drain(conn, BUSY)) == 20
 
     for n in range(3):
         round_(n, 10)
@@ -101,7 +85,7 @@ def rotated(
     )
     # the closed era held no generation once the reader ended: kept as a spare, as the
     # generations emptied under it are
-    assert _count(db, schema, "era") + kinds["era"] >= 2
+    assert row_count(db, schema, "era") + kinds["era"] >= 2
     assert kinds["generation"] >= 1
     assert backups.storage_disagreements(db, schema) == []
     return waiting
@@ -123,19 +107,19 @@ def _restored_broker(
     )
     conn.connect()
     try:
-        got = _drain(conn, KEPT)
+        got = drain(conn, KEPT)
         expected = waiting if with_data else []
         assert Counter(map(repr, got)) == Counter(map(repr, expected))
         # new publishes, one of them with a key an old message held
         fresh = [{"fresh": i, "key": f"k-0-{i}"} for i in range(3)] + [{"fresh": 3}]
         _publish(conn, KEPT, fresh)
-        assert Counter(map(repr, _drain(conn, KEPT))) == Counter(map(repr, fresh))
+        assert Counter(map(repr, drain(conn, KEPT))) == Counter(map(repr, fresh))
         with psycopg.connect(restored_dsn, autocommit=True) as db:
             before = set(backups.tables(db, schema))
             for n in range(6):
                 _publish(conn, BUSY, [{"after": n}])
                 conn.default_channel.store.rotate()
-                assert _drain(conn, BUSY) == [{"after": n}]
+                assert drain(conn, BUSY) == [{"after": n}]
             assert backups.storage_disagreements(db, schema) == []
             assert set(backups.tables(db, schema)) >= before  # nothing dropped
             states = Counter(
@@ -153,7 +137,7 @@ def test_a_dump_restores_every_waiting_message_into_a_broker_that_runs(
     rotated: list[dict[str, Any]], dsn: str, schema: str, tmp_path: Path
 ) -> None:
     path = backups.dump(dsn, schema, tmp_path / "broker.dump")
-    with backups.new_database(dsn) as restored:
+    with new_database(dsn, "restored") as restored:
         backups.restore(restored, path)
         with psycopg.connect(restored) as conn:
             assert backups.storage_disagreements(conn, schema) == []
@@ -164,7 +148,7 @@ def test_a_schema_only_restore_then_its_data_gives_the_same_broker(
     rotated: list[dict[str, Any]], dsn: str, schema: str, tmp_path: Path
 ) -> None:
     path = backups.dump(dsn, schema, tmp_path / "broker.dump")
-    with backups.new_database(dsn) as restored:
+    with new_database(dsn, "restored") as restored:
         backups.restore(restored, path, "--schema-only")
         backups.restore(restored, path, "--data-only")
         _restored_broker(restored, schema, rotated, with_data=True)
@@ -177,7 +161,7 @@ def test_a_dump_without_the_messages_restores_an_empty_broker_that_runs(
     path = backups.dump(
         dsn, schema, tmp_path / "broker.dump", f"--exclude-table-data={schema}.message_*"
     )
-    with backups.new_database(dsn) as restored:
+    with new_database(dsn, "restored") as restored:
         backups.restore(restored, path)
         _restored_broker(restored, schema, rotated, with_data=False)
 
@@ -201,9 +185,9 @@ def test_a_dump_whose_snapshot_is_older_than_its_sequences_restores_a_broker_tha
     for n in range(3):  # generations the dump will not hold, the sequence at the last
         _publish(conn, BUSY, [{"later": n}])
         conn.default_channel.store.rotate()
-        assert _drain(conn, BUSY) == [{"later": n}]
+        assert drain(conn, BUSY) == [{"later": n}]
     path = backups.dump(dsn, schema, tmp_path / "broker.dump", f"--snapshot={row[0]}")
     holder.rollback()
-    with backups.new_database(dsn) as restored:
+    with new_database(dsn, "restored") as restored:
         backups.restore(restored, path)
         _restored_broker(restored, schema, rotated, with_data=True)

@@ -10,6 +10,7 @@ from contextlib import ExitStack
 
 import psycopg
 import pytest
+from helpers import connected
 from kombu import Connection
 from psycopg import sql
 
@@ -23,16 +24,6 @@ COMMAND = "python -m kombu_pgqueue migrate"
 def _schema_exists(db: psycopg.Connection, schema: str) -> bool:
     row = db.execute("SELECT count(*) FROM pg_namespace WHERE nspname = %s", (schema,)).fetchone()
     return row == (1,)
-
-
-def _connect(url: str, **options: object) -> Connection:
-    conn = Connection(url, transport_options=options)
-    try:
-        conn.connect()
-    except BaseException:
-        conn.release()
-        raise
-    return conn
 
 
 def test_migrate_applies_every_version_once(dsn: str, schema: str, db: psycopg.Connection) -> None:
@@ -68,7 +59,7 @@ def test_migrate_from_many_processes_at_once_applies_once(dsn: str, schema: str)
 def test_connect_installs_the_schema_by_default(
     url_with: Callable[..., str], schema: str, db: psycopg.Connection
 ) -> None:
-    conn = _connect(url_with(), schema=schema)
+    conn = connected(url_with(), schema=schema)
     try:
         assert current_version(db, schema) == latest_version()
     finally:
@@ -79,7 +70,7 @@ def test_auto_migrate_off_on_a_missing_schema_raises_schema_error(
     url_with: Callable[..., str], schema: str, db: psycopg.Connection
 ) -> None:
     with pytest.raises(SchemaError) as caught:
-        _connect(url_with(), schema=schema, auto_migrate=False)
+        connected(url_with(), schema=schema, auto_migrate=False)
 
     message = str(caught.value)
     assert COMMAND in message
@@ -102,7 +93,7 @@ def test_auto_migrate_off_after_the_migrate_command_connects(
             f"as {info.user}: applied 1, "
         ), out
 
-    conn = _connect(url_with(), schema=schema, auto_migrate=False)
+    conn = connected(url_with(), schema=schema, auto_migrate=False)
     try:
         queue = conn.SimpleQueue("after-migrate")
         queue.put({"ok": True})
@@ -132,7 +123,7 @@ def test_role_without_create_gets_privilege_error_naming_role_and_command(
     assert row == (False,)
 
     with pytest.raises(PrivilegeError) as caught:
-        _connect(url_with(user=role), schema=schema)
+        connected(url_with(user=role), schema=schema)
 
     message = str(caught.value)
     assert role in message
@@ -147,7 +138,7 @@ def test_role_without_schema_usage_gets_privilege_error(
     migrate(dsn, schema)  # installed by its owner; the role was never granted anything
 
     with pytest.raises(PrivilegeError) as caught:
-        _connect(url_with(user=role), schema=schema, auto_migrate=False)
+        connected(url_with(user=role), schema=schema, auto_migrate=False)
 
     assert role in str(caught.value) or schema in str(caught.value)
 
@@ -160,7 +151,7 @@ def test_role_without_table_privileges_gets_privilege_error_on_publish(
     db.execute(sql.SQL("GRANT USAGE ON SCHEMA {} TO {}").format(ident, who))
     db.execute(sql.SQL("GRANT SELECT ON {}.schema_migration TO {}").format(ident, who))
 
-    conn = _connect(url_with(user=role), schema=schema, auto_migrate=False)
+    conn = connected(url_with(user=role), schema=schema, auto_migrate=False)
     try:
         with pytest.raises(PrivilegeError, match=schema) as caught:
             conn.default_channel.store.size("q")
@@ -182,7 +173,7 @@ def test_a_role_that_may_not_upgrade_the_schema_is_told_its_owner(
     db.execute(latest, (latest_version(),))  # as if a release with a new migration came
 
     with pytest.raises(PrivilegeError) as caught:
-        _connect(url_with(user=role), schema=schema)  # auto_migrate on: it tries
+        connected(url_with(user=role), schema=schema)  # auto_migrate on: it tries
 
     message = str(caught.value)
     assert f"role {role!r} may not upgrade the pgqueue schema {schema!r}" in message
@@ -229,7 +220,7 @@ def test_claims_renewals_and_requeues_are_hot_updates(
     from kombu_pgqueue._store import Outgoing, new_lease
 
     delivered = 40
-    conn = _connect(broker_base_url, schema=schema)
+    conn = connected(broker_base_url, schema=schema)
     try:
         store = conn.default_channel.store
         for _ in range(delivered):

@@ -12,12 +12,12 @@
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta, timezone
 
 import psycopg
 import pytest
+from helpers import connected, new_database
 from kombu import Connection, Consumer, Producer, Queue
 from kombu.message import Message
 from psycopg import errors, sql
@@ -31,13 +31,7 @@ from kombu_pgqueue.migrations import latest_version
 
 
 def _connect(url: str, schema: str, **options: object) -> Connection:
-    conn = Connection(url, transport_options={"schema": schema, "batch_acks": False, **options})
-    try:
-        conn.connect()
-    except BaseException:
-        conn.release()
-        raise
-    return conn
+    return connected(url, **{"schema": schema, "batch_acks": False, **options})
 
 
 def _may_create_in_database(db: psycopg.Connection, role: str) -> bool:
@@ -148,16 +142,11 @@ def test_the_advised_grant_lets_a_worker_run_but_not_rewrite_schema_migration(
 def no_temporary_dsn(dsn: str, role: str) -> Iterator[str]:
     """A new database where PUBLIC may not create temporary tables (the shared test
     database keeps PUBLIC's default); dropped, before ``role``, after the test."""
-    name = f"pgq_notemp_{uuid.uuid4().hex[:10]}"
-    ident = sql.Identifier(name)
-    with psycopg.connect(dsn, autocommit=True) as admin:
-        admin.execute(sql.SQL("CREATE DATABASE {}").format(ident))
-        admin.execute(sql.SQL("REVOKE TEMPORARY ON DATABASE {} FROM PUBLIC").format(ident))
-    try:
-        yield make_conninfo(dsn, dbname=name)
-    finally:
+    with new_database(dsn, "pgq_notemp") as created:
+        ident = sql.Identifier(conninfo_to_dict(created)["dbname"])
         with psycopg.connect(dsn, autocommit=True) as admin:
-            admin.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(ident))
+            admin.execute(sql.SQL("REVOKE TEMPORARY ON DATABASE {} FROM PUBLIC").format(ident))
+        yield created
 
 
 def bulk_publish_with_an_eta(conn: Connection) -> int:

@@ -19,6 +19,7 @@ from typing import Any
 import plans
 import psycopg
 import pytest
+from helpers import drain
 from kombu import Connection, Consumer, Producer, Queue
 from psycopg import sql
 from waiting import wait_for
@@ -109,15 +110,6 @@ def _publish(conn: Connection, n: int, **kwargs: Any) -> None:
         producer.publish({"i": i}, routing_key=QUEUE, **kwargs)
 
 
-def _drain(conn: Connection) -> list[Any]:
-    queue = Queue(QUEUE, channel=conn.default_channel)
-    got = []
-    while (message := queue.get(no_ack=False)) is not None:
-        got.append(message.payload)
-        message.ack()
-    return got
-
-
 def _gen_of(db: psycopg.Connection, schema: str, where: str, *params: Any) -> list[int]:
     query = sql.SQL("SELECT gen FROM {} WHERE " + where + " ORDER BY id").format(  # noqa: S608
         sql.Identifier(schema, "message_store")
@@ -137,7 +129,7 @@ def test_a_drained_generation_waits_for_a_snapshot_that_may_see_its_rows(
     holder.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
     holder.execute("SELECT count(*) FROM pg_class").fetchone()  # the snapshot is taken
     _store(rotating).rotate()  # generation 2 is current; the 300 are in 1
-    assert len(_drain(rotating)) == 300
+    assert len(drain(rotating, QUEUE)) == 300
     for _ in range(3):
         _store(rotating).rotate()  # 1 is drained, and would be emptied but for the snapshot
 
@@ -146,7 +138,7 @@ def test_a_drained_generation_waits_for_a_snapshot_that_may_see_its_rows(
     seen = sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(schema, "message_store"))
     assert holder.execute(seen).fetchone() == (300,)
     _publish(rotating, 1)
-    assert _drain(rotating) == [{"i": 0}]  # claims skip it meanwhile
+    assert drain(rotating, QUEUE) == [{"i": 0}]  # claims skip it meanwhile
 
     holder.rollback()  # the snapshot ends
     _store(rotating).rotate()
@@ -162,7 +154,7 @@ def test_a_drained_generation_waits_for_a_snapshot_that_may_see_its_rows(
     taken = spares - _spares(db, schema)
     assert taken and taken <= set(_relnames(db, schema))
     _publish(rotating, 2)
-    assert len(_drain(rotating)) == 2
+    assert len(drain(rotating, QUEUE)) == 2
 
 
 def test_tables_listed_by_a_session_all_exist_after_generations_turn(
@@ -174,7 +166,7 @@ def test_tables_listed_by_a_session_all_exist_after_generations_turn(
     for _ in range(4):  # a few generations, some emptied
         _publish(rotating, 20)
         store.rotate()
-        assert len(_drain(rotating)) == 20
+        assert len(drain(rotating, QUEUE)) == 20
     listed = [
         name
         for (name,) in holder.execute(
@@ -188,7 +180,7 @@ def test_tables_listed_by_a_session_all_exist_after_generations_turn(
     for _ in range(12):  # generations drain, are emptied and recycled
         _publish(rotating, 20)
         store.rotate()
-        assert len(_drain(rotating)) == 20
+        assert len(drain(rotating, QUEUE)) == 20
     with holder.transaction():
         for name in listed:
             holder.execute(
@@ -211,12 +203,12 @@ def test_a_generation_a_reader_holds_a_lock_on_waits_for_it_and_claims_do_not(
         )
         holder_pid = holder.info.backend_pid
         _store(rotating).rotate()
-        assert len(_drain(rotating)) == 50
+        assert len(drain(rotating, QUEUE)) == 50
         for _ in range(3):
             _store(rotating).rotate()
             # the queue keeps flowing: no statement waits behind the rotation
             _publish(rotating, 1)
-            assert _drain(rotating) == [{"i": 0}]
+            assert drain(rotating, QUEUE) == [{"i": 0}]
 
         generations = _generations(db, schema)
         assert generations[1] == "drained"  # claims skip it, its space waits
@@ -277,7 +269,7 @@ def test_statements_leave_the_generations_a_dump_keeps_unopened(
         for _ in range(8):
             _publish(rotating, 1)
             store.rotate()
-            assert _drain(rotating) == [{"i": 0}]
+            assert drain(rotating, QUEUE) == [{"i": 0}]
         generations = _generations(db, schema)
         live = {g for g, state in generations.items() if state in ("live", "current", "next")}
         assert len(generations) - len(live) >= 3  # drained or emptied, not dropped
@@ -321,7 +313,7 @@ def test_an_oversized_generation_starts_the_next(
     Queue(QUEUE, channel=rotating.default_channel).declare()
     _publish(rotating, 400)
     grown = _bytes(db, schema, 1)
-    assert len(_drain(rotating)) == 400
+    assert len(drain(rotating, QUEUE)) == 400
     # a rotation every 0.1 s at most, and every hour by age
     sized = make_connection(
         generation_max_bytes=int(grown * 0.7), generation_max_age=3600, rotate_interval=0.1
@@ -363,7 +355,7 @@ def test_a_generation_a_snapshot_kept_from_vacuum_starts_the_next_once_the_snaps
     holder.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
     holder.execute("SELECT 1")  # the snapshot, older than the acks to come
     _publish(conn, 400)
-    assert len(_drain(conn)) == 400
+    assert len(drain(conn, QUEUE)) == 400
     wait_for(lambda: vacuumed().held, 30, "a VACUUM that leaves the acked rows dead")
     _rotation_due(db, schema)
     store.rotate()
@@ -420,7 +412,7 @@ def test_a_reader_that_holds_the_current_era_closes_it_and_generations_go_on(
         for _ in range(30):  # 30 generations started while the dump runs
             _publish(rotating, 2)
             store.rotate()
-            assert len(_drain(rotating)) == 2  # the queue keeps flowing
+            assert len(drain(rotating, QUEUE)) == 2  # the queue keeps flowing
         generations = _generations(db, schema)
         # the dump's own (the era's and the two from before eras) and a few live ones;
         # without eras, every one of the 30 stays until the dump ends
@@ -434,7 +426,7 @@ def test_a_reader_that_holds_the_current_era_closes_it_and_generations_go_on(
     assert len(_generations(db, schema)) <= 4
     assert list(_eras(db, schema).values()) == [False]  # the closed one is gone
     _publish(rotating, 1)
-    assert _drain(rotating) == [{"i": 0}]
+    assert drain(rotating, QUEUE) == [{"i": 0}]
 
 
 def _metric(monitor: Monitor, name: str) -> float:
@@ -471,7 +463,7 @@ def test_messages_that_would_pin_an_old_generation_move_forward(
 
     assert _gen_of(db, schema, "true") == [3, 3]  # taken along when 1 was two behind
     assert 1 not in _generations(db, schema)
-    assert _drain(rotating) == [{"dead": 1}]  # the lapsed lease is delivered again
+    assert drain(rotating, QUEUE) == [{"dead": 1}]  # the lapsed lease is delivered again
 
 
 def test_a_dedup_key_holds_across_generations(
@@ -486,7 +478,7 @@ def test_a_dedup_key_holds_across_generations(
 
     _publish(rotating, 1, **keyed)
     assert _store(rotating).size(QUEUE) == 1
-    assert _drain(rotating) == [{"i": 0}]
+    assert drain(rotating, QUEUE) == [{"i": 0}]
     _publish(rotating, 1, **keyed)  # the key is free once its message is gone
     assert _store(rotating).size(QUEUE) == 1
 
@@ -655,7 +647,7 @@ def test_a_long_task_moves_forward_as_its_lease_is_renewed(
     assert _gen_of(db, schema, "true") == [1]  # held: the rotation leaves it alone
     _publish(rotating, 5)
     store.rotate()
-    assert len(_drain(rotating)) == 5
+    assert len(drain(rotating, QUEUE)) == 5
     store.rotate()  # 3 emptied, although 1 is older and live
     assert 3 not in _generations(db, schema)
 

@@ -22,9 +22,9 @@ from typing import Any
 import psycopg
 import pytest
 from celery import Celery
-from celery.contrib.testing.worker import start_worker
 from celery_apps import celery_app
 from psycopg import sql
+from shipping import shipping
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, create_async_engine
 from sqlalchemy.orm import Session
@@ -74,61 +74,18 @@ async def _insert_order(handle: Any, schema: str, order_id: int) -> None:
 
 
 @pytest.fixture
-def app(dsn: str, schema: str, db: psycopg.Connection) -> Iterator[Celery]:
-    app = celery_app(dsn, schema, main=f"eco_{schema}", results=False)
-    with app.connection_for_write() as conn:
-        conn.default_channel  # noqa: B018 - connecting migrates the schema
+def app(app: Celery, schema: str, db: psycopg.Connection) -> Celery:
+    """The ecosystem tests' app (``conftest.py``), with the ``orders`` table beside it."""
     db.execute(
         sql.SQL("CREATE TABLE {} (id int PRIMARY KEY)").format(sql.Identifier(schema, "orders"))
     )
-    yield app
-    app.close()
-
-
-class Shipped:
-    """What the worker did: order id -> was that order committed when the task ran."""
-
-    def __init__(self) -> None:
-        self.seen: dict[int, bool] = {}
-
-    def ran(self, *order_ids: int) -> dict[int, bool]:
-        """Once the tasks of ``order_ids`` ran: whether each saw its order committed."""
-        wait_for(
-            lambda: set(order_ids) <= set(self.seen),
-            20,
-            f"the tasks of orders {order_ids} to run",
-            details=lambda: self.seen,
-        )
-        return {i: self.seen[i] for i in order_ids}
+    return app
 
 
 @pytest.fixture
 def ship(app: Celery, dsn: str, schema: str) -> Iterator[Any]:
-    shipped = Shipped()
-    query = sql.SQL("SELECT count(*) FROM {} WHERE id = %s").format(
-        sql.Identifier(schema, "orders")
-    )
-
-    @app.task(name="eco.ship", shared=False)
-    def ship(order_id: int) -> None:
-        with psycopg.connect(dsn) as conn:
-            row = conn.execute(query, (order_id,)).fetchone()
-        shipped.seen[order_id] = bool(row and row[0])
-
-    ship.shipped = shipped
-    with start_worker(app, pool="threads", concurrency=2, perform_ping_check=False):
+    with shipping(app, dsn, sql.Identifier(schema, "orders")) as ship:
         yield ship
-
-
-@pytest.fixture
-def messages(db: psycopg.Connection, schema: str) -> Callable[[], list[str]]:
-    """The argsrepr of every message row, as another session sees them."""
-    query = sql.SQL("SELECT headers->>'argsrepr' FROM {}.message_store ORDER BY id")
-
-    def messages() -> list[str]:
-        return [r for (r,) in db.execute(query.format(sql.Identifier(schema))).fetchall()]
-
-    return messages
 
 
 @pytest.fixture

@@ -19,17 +19,16 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import django
 import psycopg
 import pytest
 from celery import Celery
-from celery.contrib.testing.worker import start_worker
 from celery_apps import celery_app
-from django.conf import settings
 from django.db import connections, models, transaction
 from django.test.utils import CaptureQueriesContext
+from helpers import configure_django
 from kombu import Producer
 from psycopg import sql
+from shipping import shipping
 from waiting import wait_for
 
 import celery_pgqueue.django
@@ -46,23 +45,6 @@ class Boom(Exception):
     """Raised inside an atomic block to roll it back."""
 
 
-def _setup_django(dsn: str, elsewhere: str) -> None:
-    """Django on ``dsn`` ("default") and ``elsewhere``, another database of its server."""
-    if settings.configured:
-        assert "elsewhere" in settings.DATABASES, "Django was configured by someone else"
-        return
-    settings.configure(
-        DATABASES={
-            "default": celery_pgqueue.django.database_settings(dsn),
-            "elsewhere": celery_pgqueue.django.database_settings(elsewhere),
-            "lite": {"ENGINE": "django.db.backends.sqlite3", "NAME": ":memory:"},
-        },
-        INSTALLED_APPS=[],
-        USE_TZ=True,
-    )
-    django.setup()
-
-
 def _order_model(table: str) -> type[models.Model]:
     class Order(models.Model):
         item = models.CharField(max_length=50)
@@ -76,7 +58,7 @@ def _order_model(table: str) -> type[models.Model]:
 
 @pytest.fixture(scope="module")
 def order_model(dsn: str, other_database_dsn: str) -> Iterator[type[models.Model]]:
-    _setup_django(dsn, other_database_dsn)
+    configure_django(dsn, other_database_dsn)
     model = _order_model(TABLE)
     with connections["default"].schema_editor() as editor:
         editor.create_model(model)
@@ -94,56 +76,9 @@ def Order(order_model: type[models.Model]) -> Iterator[Any]:  # noqa: N802 - a m
 
 
 @pytest.fixture
-def app(dsn: str, schema: str) -> Iterator[Celery]:
-    app = celery_app(dsn, schema, main=f"eco_{schema}", results=False)
-    with app.connection_for_write() as conn:
-        conn.default_channel  # noqa: B018 - connecting migrates the schema
-    yield app
-    app.close()
-
-
-class Shipped:
-    """What the worker did: order id -> was that order committed when the task ran."""
-
-    def __init__(self) -> None:
-        self.seen: dict[int, bool] = {}
-
-    def ran(self, *order_ids: int) -> dict[int, bool]:
-        """Once the tasks of ``order_ids`` ran: whether each saw its order committed."""
-        wait_for(
-            lambda: set(order_ids) <= set(self.seen),
-            20,
-            f"the tasks of orders {order_ids} to run",
-            details=lambda: self.seen,
-        )
-        return {i: self.seen[i] for i in order_ids}
-
-
-@pytest.fixture
 def ship(app: Celery, dsn: str, Order: Any) -> Iterator[Any]:  # noqa: N803
-    shipped = Shipped()
-    query = sql.SQL("SELECT count(*) FROM {} WHERE id = %s").format(sql.Identifier(TABLE))
-
-    @app.task(name="eco.ship", shared=False)
-    def ship(order_id: int) -> None:
-        with psycopg.connect(dsn) as conn:
-            row = conn.execute(query, (order_id,)).fetchone()
-        shipped.seen[order_id] = bool(row and row[0])
-
-    ship.shipped = shipped
-    with start_worker(app, pool="threads", concurrency=2, perform_ping_check=False):
+    with shipping(app, dsn, sql.Identifier(TABLE)) as ship:
         yield ship
-
-
-@pytest.fixture
-def messages(db: psycopg.Connection, schema: str) -> Callable[[], list[str]]:
-    """The argsrepr of every message row, as another session sees them."""
-    query = sql.SQL("SELECT headers->>'argsrepr' FROM {}.message_store ORDER BY id")
-
-    def messages() -> list[str]:
-        return [r for (r,) in db.execute(query.format(sql.Identifier(schema))).fetchall()]
-
-    return messages
 
 
 @pytest.fixture
@@ -327,7 +262,7 @@ def test_example_project_demo(dsn, schema):
 
 def _crash_producer(dsn: str, schema: str, table: str, elsewhere: str) -> None:
     """Create an order and enqueue its task in one atomic block, then die before commit."""
-    _setup_django(dsn, elsewhere)
+    configure_django(dsn, elsewhere)
     order_model: Any = _order_model(table)
     celery_pgqueue.django.enlist_atomic()
     app = celery_app(dsn, schema, main="crash", results=False)

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import os
 import urllib.request
+from functools import partial
 from pathlib import Path
 
 import psycopg
 from celery import Celery
 from celery_apps import celery_app, lazy_app
+from celery_workers import app_env
 from helpers import wait_gate
 from prometheus_client.parser import text_string_to_metric_families
 from psycopg import sql
@@ -50,15 +52,9 @@ def value(samples: Samples, name: str, **labels: str) -> float | None:
     return samples.get((name, tuple(sorted(labels.items()))))
 
 
-def process_env(dsn: str, schema: str) -> dict[str, str]:
-    """The environment of a ``celery -A metrics_app ...`` process (or of an exporter)."""
-    path = [str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")]
-    return {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(path).rstrip(os.pathsep),
-        "PGQUEUE_DSN": dsn,
-        "PGQUEUE_SCHEMA": schema,
-    }
+#: ``process_env(dsn, schema)``: the environment of a ``celery -A metrics_app ...``
+#: process (or of an exporter)
+process_env = partial(app_env, HERE)
 
 
 def create_gates(conn: psycopg.Connection, schema: str) -> None:

@@ -21,7 +21,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from helpers import ALWAYS_RESUMED
+from helpers import ALWAYS_RESUMED, fill
 from kombu import Connection, Consumer, Producer, Queue
 from kombu.asynchronous import Hub
 from wire_faults import AnswerSplitter
@@ -30,12 +30,6 @@ from kombu_pgqueue import _pacing
 from kombu_pgqueue._store import Store
 
 QUIET = {"polling_interval": 30}
-
-
-def _fill(conn: Connection, queue: str, n: int) -> None:
-    producer = Producer(conn)
-    for i in range(n):
-        producer.publish(i, routing_key=queue, declare=[Queue(queue)])
 
 
 def _claim_returned(conn: Connection, timeout: float = 10) -> None:
@@ -75,7 +69,7 @@ def _registered(
 ) -> Connection:
     """A connection in ``hub``'s loop, with ``n`` messages waiting in ``queue``."""
     conn = make_connection(**QUIET, **options)
-    _fill(conn, queue, n)
+    fill(conn, queue, range(n))
     conn.transport.register_with_event_loop(conn.connection, hub)
     return conn
 
@@ -277,7 +271,7 @@ def test_a_claim_that_fails_in_the_database_raises_in_the_loop_and_the_next_one_
     make_connection: Callable[..., Connection], hub: Hub, dsn: str, schema: str
 ) -> None:
     conn = make_connection(options="-c statement_timeout=100", **QUIET)
-    _fill(conn, "ctq", 2)
+    fill(conn, "ctq", range(2))
     conn.transport.register_with_event_loop(conn.connection, hub)
     consumer = conn.transport.consumer
     got = _consume(conn, "ctq", 1)
@@ -313,7 +307,7 @@ def test_a_claim_error_read_before_the_end_of_its_answer_is_raised_when_the_answ
         },
     )
     try:
-        _fill(conn, "ctp", 1)
+        fill(conn, "ctp", range(1))
         conn.transport.register_with_event_loop(conn.connection, hub)
         consumer = conn.transport.consumer
         claimer = consumer.claimer
@@ -396,7 +390,7 @@ def test_claims_without_prepared_statements_deliver_too(
 ) -> None:
     # prepare_threshold None is the setting behind PgBouncer in transaction mode
     conn = make_connection(prepare_threshold=None, **QUIET)
-    _fill(conn, "ctu", 10)
+    fill(conn, "ctu", range(10))
     conn.transport.register_with_event_loop(conn.connection, hub)
     how = _spy_claims(conn, monkeypatch)
     got = _consume(conn, "ctu", 4)
@@ -510,7 +504,7 @@ def test_an_idle_consumer_waits_for_its_claim_then_sends_claims_without_waiting(
     # the first tick claims (sent, see below) and finds nothing
     hub.run_until(lambda: bool(how) and not consumer.in_flight, 10)
     del how[:]
-    _fill(conn, "cti", 30)  # the NOTIFY wakes the idle consumer through its LISTEN socket
+    fill(conn, "cti", range(30))  # the NOTIFY wakes the idle consumer through its LISTEN socket
 
     hub.run_until(lambda: len(got) == 30, 20)
 

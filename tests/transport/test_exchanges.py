@@ -6,20 +6,12 @@ import re
 from collections.abc import Callable
 
 import pytest
+from helpers import drain
 from kombu import Connection, Consumer, Exchange, Producer, Queue
 from kombu.exceptions import ChannelError
 from kombu.transport.virtual.exchange import TopicExchange
 
 from kombu_pgqueue import ConfigurationError
-
-
-def _drain(conn: Connection, queue: str) -> list[object]:
-    channel = conn.default_channel
-    found = []
-    while (message := channel.basic_get(queue)) is not None:
-        found.append(message.payload)
-        message.ack()
-    return found
 
 
 @pytest.fixture
@@ -40,9 +32,9 @@ def test_direct_exchange_routes_by_key_across_connections(
     producer.publish("b", exchange="direct-x", routing_key="blue")
     producer.publish("nobody", exchange="direct-x", routing_key="green")
 
-    assert _drain(connection, "red-q") == ["r"]
-    assert _drain(connection, "red-q2") == ["r"]
-    assert _drain(connection, "blue-q") == ["b"]
+    assert drain(connection, "red-q") == ["r"]
+    assert drain(connection, "red-q2") == ["r"]
+    assert drain(connection, "blue-q") == ["b"]
 
 
 @pytest.mark.parametrize(
@@ -66,7 +58,7 @@ def test_topic_exchange_routes_by_pattern_across_connections(
 
     Producer(sender).publish(routing_key, exchange="topic-x", routing_key=routing_key)
 
-    reached = {name for name in bindings if _drain(connection, name) == [routing_key]}
+    reached = {name for name in bindings if drain(connection, name) == [routing_key]}
     assert reached == expected
 
 
@@ -114,7 +106,7 @@ def test_topic_exchange_routes_like_kombus_own_matcher(
     for name, binding in bindings.items():
         pattern = matcher.key_to_pattern(binding)
         expected = [key for key in keys if re.match(pattern, key)]
-        assert _drain(connection, name) == expected, (binding, pattern)
+        assert drain(connection, name) == expected, (binding, pattern)
 
 
 def test_fanout_exchange_reaches_every_bound_queue_across_connections(
@@ -127,8 +119,8 @@ def test_fanout_exchange_reaches_every_bound_queue_across_connections(
 
     Producer(sender).publish({"event": "hello"}, exchange="fan-x", routing_key="ignored")
 
-    assert _drain(connection, "fan-1") == [{"event": "hello"}]
-    assert _drain(third, "fan-2") == [{"event": "hello"}]
+    assert drain(connection, "fan-1") == [{"event": "hello"}]
+    assert drain(third, "fan-2") == [{"event": "hello"}]
 
 
 def test_fanout_consumer_on_one_connection_gets_what_another_publishes(
@@ -155,7 +147,7 @@ def test_queue_unbind_on_one_connection_stops_routing_from_another(
     bound.unbind_from(exchange, routing_key="k")
     Producer(sender).publish("after", exchange="unbind-x", routing_key="k")
 
-    assert _drain(connection, "unbind-q") == ["before"]
+    assert drain(connection, "unbind-q") == ["before"]
 
 
 def test_exchange_declare_passive_sees_an_exchange_declared_elsewhere(
@@ -177,7 +169,7 @@ def test_exchange_delete_stops_routing_everywhere(
     exchange(connection.default_channel).delete()
     Producer(sender).publish("lost", exchange="deleted-x")
 
-    assert _drain(connection, "deleted-q") == []
+    assert drain(connection, "deleted-q") == []
 
 
 def test_exchange_declare_rejects_unsupported_types(connection: Connection) -> None:

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from datetime import datetime
 
 import pytest
+from helpers import fill
 from kombu import Connection, Consumer, Producer, Queue
 from waiting import wait_for
 
@@ -17,19 +18,13 @@ from kombu_pgqueue.records import Outgoing
 Later = Callable[[float], datetime]
 
 
-def _fill(conn: Connection, queue: str, count: int) -> None:
-    producer = Producer(conn)
-    for n in range(count):
-        producer.publish(n, routing_key=queue, declare=[Queue(queue)])
-
-
 def test_claim_after_the_lease_ends_redelivers_and_fences_the_old_ack(
     connection: Connection,
     make_connection: Callable[..., Connection],
     later: Later,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    _fill(connection, "leased", 1)
+    fill(connection, "leased", range(1))
     held = connection.default_channel.basic_get("leased")
     other = make_connection().default_channel
 
@@ -52,7 +47,7 @@ def test_renew_keeps_a_held_message_for_several_lease_periods(
 ) -> None:
     holder = make_connection(visibility_timeout=1, lease_renewal_interval=0.2)
     thief = make_connection(visibility_timeout=1, lease_renewal_interval=0.2)
-    _fill(holder, "renewed", 1)
+    fill(holder, "renewed", range(1))
     message = holder.default_channel.basic_get("renewed")
     assert message is not None
 
@@ -72,7 +67,7 @@ def test_renew_keeps_a_held_message_for_several_lease_periods(
 def test_release_on_channel_close_hands_messages_back_at_once(
     connection: Connection, make_connection: Callable[..., Connection]
 ) -> None:
-    _fill(connection, "released", 3)
+    fill(connection, "released", range(3))
     channel = connection.channel()
     held = [channel.basic_get("released") for _ in range(3)]
     assert all(m is not None for m in held)
@@ -89,7 +84,7 @@ def test_release_on_connection_close_hands_consumed_messages_back_at_once(
     make_connection: Callable[..., Connection],
 ) -> None:
     consumer_conn = make_connection()
-    _fill(consumer_conn, "released-conn", 4)
+    fill(consumer_conn, "released-conn", range(4))
     got: list[object] = []
     Consumer(
         consumer_conn, [Queue("released-conn")], callbacks=[lambda body, message: got.append(body)]
@@ -146,7 +141,7 @@ def test_a_claim_that_dead_letters_a_message_out_of_attempts_says_so_in_one_warn
 def test_release_leaves_acked_and_rejected_messages_alone(
     connection: Connection, make_connection: Callable[..., Connection]
 ) -> None:
-    _fill(connection, "mixed", 3)
+    fill(connection, "mixed", range(3))
     channel = connection.channel()
     acked, rejected, kept = (channel.basic_get("mixed") for _ in range(3))
     acked.ack()
@@ -170,7 +165,7 @@ def test_a_late_ack_on_a_closed_channel_is_no_crash_and_loses_nothing(
     afterwards acks on the old one. That must not raise (it killed workers), and the
     message, released when the channel closed, is delivered again."""
     conn = make_connection(batch_acks=batch_acks)
-    _fill(conn, "late", 1)
+    fill(conn, "late", range(1))
     channel = conn.channel()
     message = channel.basic_get("late")
     assert message is not None

@@ -14,8 +14,8 @@ import time
 
 import psycopg
 import pytest
-from helpers import ALWAYS_RESUMED
-from kombu import Connection, Consumer, Producer, Queue
+from helpers import ALWAYS_RESUMED, fill
+from kombu import Connection, Consumer, Queue
 from kombu.message import Message
 from psycopg import sql
 
@@ -29,17 +29,11 @@ def transport_options(transport_options: dict[str, object]) -> dict[str, object]
     return {**transport_options, **ALWAYS_RESUMED}
 
 
-def _fill(conn: Connection, queue: str, bodies: list[object], priority: int = 0) -> None:
-    producer = Producer(conn)
-    for body in bodies:
-        producer.publish(body, routing_key=queue, declare=[Queue(queue)], priority=priority)
-
-
 def test_store_claim_after_takes_only_later_ids_of_that_priority(
     connection: Connection, store: Store
 ) -> None:
-    _fill(connection, "r", list(range(6)))
-    _fill(connection, "r", ["high"], priority=9)
+    fill(connection, "r", range(6))
+    fill(connection, "r", ["high"], priority=9)
     first = store.claim("r", 2, new_lease())
     assert [row.priority for row in first] == [9, 0]
     after = (0, first[-1].id)
@@ -53,7 +47,7 @@ def test_a_resuming_consumer_still_delivers_everything_once_with_a_snapshot_held
     connection: Connection, dsn: str
 ) -> None:
     consumer = connection.transport.consumer
-    _fill(connection, "snap", list(range(40)))
+    fill(connection, "snap", range(40))
     with psycopg.connect(dsn) as holder:
         holder.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
         holder.execute("SELECT 1")  # the snapshot that keeps VACUUM from removing acked rows
@@ -111,7 +105,7 @@ def test_the_resumed_claim_starts_the_index_scan_at_the_position_in_its_generic_
 ) -> None:
     # prepared once, claim_after (and claim_above) run from their generic plans: the
     # position must be part of the index condition there, with no values to plan with
-    _fill(connection, "plan", list(range(3)))
+    fill(connection, "plan", range(3))
     from kombu_pgqueue import _sql
 
     params = {
@@ -150,7 +144,7 @@ def test_a_higher_priority_reaches_a_resumed_consumer_without_waiting_for_the_pe
 ) -> None:
     consumer = connection.transport.consumer
     consumer.clock.freeze()  # moved by the test only
-    _fill(connection, "above", list(range(30)))
+    fill(connection, "above", range(30))
     got: list[object] = []
 
     def take(body: object, message: Message) -> None:
@@ -162,7 +156,7 @@ def test_a_higher_priority_reaches_a_resumed_consumer_without_waiting_for_the_pe
     connection.drain_events(timeout=5)
     position = consumer.resume_position("above")
     assert position is not None and position[0] == 0  # resumed after the first claim
-    _fill(connection, "above", ["high"], priority=9)
+    fill(connection, "above", ["high"], priority=9)
     seen = len(got)
     connection.drain_events(timeout=5)
     assert "high" not in got[seen:]  # not due yet: the head was read just now

@@ -25,6 +25,7 @@ import celery.contrib.testing.tasks  # noqa: F401 - registers celery.ping
 import psycopg
 import pytest
 from celery.contrib.testing.worker import start_worker
+from helpers import row_count
 from kombu import Connection, Consumer, Producer, Queue
 from psycopg import sql
 from sqlalchemy import text
@@ -110,14 +111,7 @@ def _marker(connection: Connection, watcher: Watcher, seen_before: list[Any]) ->
     # the watcher acks in batches, after its callback: the marker's row goes a moment later
     store = connection.default_channel.store
     with store.pool.connection() as conn:
-        wait_for(lambda: _own_message_count(conn, store.schema) == 0, 5, "the watcher's last ack")
-
-
-def _own_message_count(conn: psycopg.Connection, schema: str) -> int:
-    query = sql.SQL("SELECT count(*) FROM {}.message_store").format(sql.Identifier(schema))
-    row = conn.execute(query).fetchone()
-    assert row is not None
-    return int(row[0])
+        wait_for(lambda: row_count(conn, store.schema) == 0, 5, "the watcher's last ack")
 
 
 # -- psycopg 3 ------------------------------------------------------------------------
@@ -132,7 +126,7 @@ def test_psycopg_commit_makes_message_visible_and_wakes_consumer(
         with kombu_pgqueue.transaction(app_conn):
             Producer(connection).publish({"order": 1}, routing_key=QUEUE)
         # the application's session sees its own message ...
-        assert _own_message_count(app_conn, schema) == 1
+        assert row_count(app_conn, schema) == 1
         # ... nobody else does, and the consumer does not get it
         assert store.size(QUEUE) == 0
         assert rows() == []

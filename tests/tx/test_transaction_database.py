@@ -16,6 +16,7 @@ from typing import Any
 import psycopg
 import pytest
 from clusters import Cluster
+from helpers import new_database, row_count
 from kombu import Connection, Producer
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
@@ -33,16 +34,8 @@ QUEUE = "tx"
 @pytest.fixture(scope="module")
 def twin_dsn(dsn: str) -> Iterator[str]:
     """A DSN for a new, empty database on the test server; dropped after the module."""
-    name = f"pgq_twin_{uuid.uuid4().hex[:10]}"
-    with psycopg.connect(dsn, autocommit=True) as admin:
-        admin.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-    try:
-        yield make_conninfo(dsn, dbname=name)
-    finally:
-        with psycopg.connect(dsn, autocommit=True) as admin:
-            admin.execute(
-                sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
-            )
+    with new_database(dsn, "pgq_twin") as twin:
+        yield twin
 
 
 @pytest.fixture
@@ -56,10 +49,7 @@ def twin(twin_dsn: str, schema: str) -> Iterator[str]:
 
 def _messages(dsn: str, schema: str) -> int:
     with psycopg.connect(dsn, autocommit=True) as conn:
-        query = sql.SQL("SELECT count(*) FROM {}.message_store").format(sql.Identifier(schema))
-        row = conn.execute(query).fetchone()
-    assert row is not None
-    return int(row[0])
+        return row_count(conn, schema)
 
 
 def _dbname(dsn: str) -> str:

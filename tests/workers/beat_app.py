@@ -10,109 +10,32 @@
   every worker consumes besides ``celery`` (each process gets a queue of its own).
 * ``PGQUEUE_PREFETCH`` (1): ``worker_prefetch_multiplier``.
 
-Tasks write every execution to the ``ledger`` table of the schema in their own
-autocommit transactions (task id, label, worker hostname, pid, start and end), so
-the tests count executions in the database instead of trusting results or logs.
+Tasks write every execution to the ``ledger`` table of the schema (``ledger.Ledger``),
+so the tests count executions in the database instead of trusting results or logs.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from functools import partial
+from pathlib import Path
 from typing import Any
 
-import psycopg
 from celery import Celery
 from celery_apps import celery_app, lazy_app
-from helpers import wait_gate
+from celery_workers import app_env
 from kombu import Queue
 from kombu.common import Broadcast
-from psycopg import sql
+from ledger import Ledger
 
 #: how long a blocked task waits for its gate (it must never outlive a test)
 GATE_LIMIT = 60.0
 
 
-def create_ledger(conn: psycopg.Connection, schema: str) -> None:
-    """Create the ledger and its gate table in ``schema`` (which must exist)."""
-    conn.execute(
-        sql.SQL(
-            """
-            CREATE TABLE {ledger} (
-                run bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
-                task_id text NOT NULL,
-                label text NOT NULL,
-                hostname text NOT NULL,
-                pid integer NOT NULL,
-                redelivered boolean,
-                started_at timestamptz NOT NULL DEFAULT clock_timestamp(),
-                finished_at timestamptz
-            )
-            """
-        ).format(ledger=sql.Identifier(schema, "ledger"))
-    )
-    conn.execute(
-        sql.SQL("CREATE TABLE {gate} (name text PRIMARY KEY)").format(
-            gate=sql.Identifier(schema, "ledger_gate")
-        )
-    )
-
-
-class Ledger:
-    """Writes task executions to the ledger; shared by the in-process tests' tasks."""
-
-    def __init__(self, dsn: str, schema: str) -> None:
-        self.dsn = dsn
-        self.table = sql.Identifier(schema, "ledger")
-        self.schema = schema
-
-    def start(self, task: Any, label: str) -> int:
-        """Write down that ``task`` started; return the run number."""
-        with psycopg.connect(self.dsn, autocommit=True) as conn:
-            row = conn.execute(
-                sql.SQL(
-                    "INSERT INTO {} (task_id, label, hostname, pid, redelivered) "
-                    "VALUES (%s, %s, %s, %s, %s) RETURNING run"
-                ).format(self.table),
-                (
-                    task.request.id,
-                    label,
-                    task.request.hostname or "",
-                    os.getpid(),
-                    (task.request.delivery_info or {}).get("redelivered"),
-                ),
-            ).fetchone()
-        assert row is not None
-        return int(row[0])
-
-    def finish(self, run: int) -> None:
-        with psycopg.connect(self.dsn, autocommit=True) as conn:
-            conn.execute(
-                sql.SQL("UPDATE {} SET finished_at = clock_timestamp() WHERE run = %s").format(
-                    self.table
-                ),
-                (run,),
-            )
-
-    def wait_gate(self, gate: str) -> None:
-        wait_gate(self.dsn, self.schema, gate, GATE_LIMIT, table="ledger_gate")
-
-
-def process_env(dsn: str, schema: str, **settings: Any) -> dict[str, str]:
-    """The environment for ``celery -A beat_app ...``; ``settings`` without the prefix."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    env = {
-        **os.environ,
-        # tests/ too: the app comes from celery_apps, its waits from waiting
-        "PYTHONPATH": os.pathsep.join(
-            [here, os.path.dirname(here), os.environ.get("PYTHONPATH", "")]
-        ).rstrip(os.pathsep),
-        "PGQUEUE_DSN": dsn,
-        "PGQUEUE_SCHEMA": schema,
-    }
-    for key, value in settings.items():
-        env[f"PGQUEUE_{key.upper()}"] = str(value)
-    return env
+#: ``process_env(dsn, schema, **settings)``: the environment for ``celery -A beat_app
+#: ...``; ``settings`` are the variables above without the prefix, in lower case
+process_env = partial(app_env, Path(__file__).resolve().parent)
 
 
 def make_app(
@@ -152,7 +75,7 @@ def make_app(
     def block(self: Any, label: str, gate: str) -> str:
         """Run until a row named ``gate`` is in the gate table."""
         run = ledger.start(self, label)
-        ledger.wait_gate(gate)
+        ledger.wait_gate(gate, GATE_LIMIT)
         ledger.finish(run)
         return label
 

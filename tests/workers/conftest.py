@@ -14,7 +14,8 @@ import pytest
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
 from celery_workers import WorkerApp
-from lifecycle_app import create_ledger, make_app, worker_env
+from ledger import create_ledger
+from lifecycle_app import make_app, worker_env
 
 import kombu_pgqueue
 

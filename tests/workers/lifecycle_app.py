@@ -5,15 +5,14 @@
 * ``PGQUEUE_DSN`` (required): libpq DSN or URL of the test database.
 * ``PGQUEUE_SCHEMA`` (required): the test's broker schema; the ledger lives there too.
 * ``PGQUEUE_LEDGER`` (``ledger``): table in that schema where every task execution
-  is written down (task id, label, worker hostname, pid, start and end time).
+  is written down (``ledger.Ledger``).
 * ``PGQUEUE_VISIBILITY_TIMEOUT``, ``PGQUEUE_LEASE_RENEWAL_INTERVAL``,
   ``PGQUEUE_MAX_ATTEMPTS``, ``PGQUEUE_POLLING_INTERVAL`` (0.5),
   ``PGQUEUE_AUTO_MIGRATE``: the transport options of the same name.
 * ``PGQUEUE_PREFETCH`` (1): ``worker_prefetch_multiplier``.
 
 Every task is ``acks_late`` with ``reject_on_worker_lost``: a message leaves the
-broker only once its task has run. The ledger is written by the task itself, in its
-own autocommit transactions, so it shows every start, even of a process killed next.
+broker only once its task has run.
 """
 
 from __future__ import annotations
@@ -23,13 +22,14 @@ import signal
 import subprocess
 import sys
 from collections.abc import Mapping
+from functools import partial
+from pathlib import Path
 from typing import Any
 
-import psycopg
 from celery import Celery
 from celery_apps import celery_app, lazy_app
-from helpers import wait_gate
-from psycopg import sql
+from celery_workers import app_env
+from ledger import Ledger
 
 #: how long a task waits for its gate before giving up (it must never outlive a test)
 GATE_LIMIT = 90.0
@@ -43,49 +43,10 @@ _OPTIONS = {
 }
 
 
-def create_ledger(conn: psycopg.Connection, schema: str, ledger: str = "ledger") -> None:
-    """Create the ledger and its gate table in ``schema`` (which must exist)."""
-    conn.execute(
-        sql.SQL(
-            """
-            CREATE TABLE {ledger} (
-                run bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
-                task_id text NOT NULL,
-                label text NOT NULL,
-                hostname text NOT NULL,
-                pid integer NOT NULL,
-                started_at timestamptz NOT NULL DEFAULT clock_timestamp(),
-                finished_at timestamptz
-            )
-            """
-        ).format(ledger=sql.Identifier(schema, ledger))
-    )
-    conn.execute(
-        sql.SQL("CREATE TABLE {gate} (name text PRIMARY KEY)").format(
-            gate=sql.Identifier(schema, f"{ledger}_gate")
-        )
-    )
-
-
-def worker_env(dsn: str, schema: str, **settings: Any) -> dict[str, str]:
-    """The environment for a process running ``celery -A lifecycle_app ...``.
-
-    ``settings`` are the variables above without their ``PGQUEUE_`` prefix, in
-    lower case (``visibility_timeout=3``).
-    """
-    here = os.path.dirname(os.path.abspath(__file__))
-    env = {
-        **os.environ,
-        # tests/ too: the app comes from celery_apps, its waits from waiting
-        "PYTHONPATH": os.pathsep.join(
-            [here, os.path.dirname(here), os.environ.get("PYTHONPATH", "")]
-        ).rstrip(os.pathsep),
-        "PGQUEUE_DSN": dsn,
-        "PGQUEUE_SCHEMA": schema,
-    }
-    for key, value in settings.items():
-        env[f"PGQUEUE_{key.upper()}"] = str(value)
-    return env
+#: ``worker_env(dsn, schema, **settings)``: the environment for a process running
+#: ``celery -A lifecycle_app ...``; ``settings`` are the variables above without their
+#: ``PGQUEUE_`` prefix, in lower case (``visibility_timeout=3``)
+worker_env = partial(app_env, Path(__file__).resolve().parent)
 
 
 def pgqueue_cli(
@@ -127,50 +88,29 @@ def make_app(
         },
         **transport_options,
     )
-    table = sql.Identifier(schema, ledger)
+    book = Ledger(dsn, schema, ledger)
     # shared=False: Celery's default (shared) registers a task with every app finalized
     # later, so a second make_app() would run the first one's closures (its DSN and ledger)
     # and warn DuplicateTaskNameWarning
 
-    def start(task: Any, label: str) -> int:
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            row = conn.execute(
-                sql.SQL(
-                    "INSERT INTO {} (task_id, label, hostname, pid) VALUES (%s, %s, %s, %s) "
-                    "RETURNING run"
-                ).format(table),
-                (task.request.id, label, task.request.hostname or "", os.getpid()),
-            ).fetchone()
-        assert row is not None
-        return int(row[0])
-
-    def finish(run: int) -> None:
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            conn.execute(
-                sql.SQL("UPDATE {} SET finished_at = clock_timestamp() WHERE run = %s").format(
-                    table
-                ),
-                (run,),
-            )
-
     @app.task(name="lifecycle.work", bind=True, shared=False)
     def work(self: Any, label: str, *_: Any) -> str:
         """Run, and be done (further arguments are carried, not used)."""
-        finish(start(self, label))
+        book.finish(book.start(self, label))
         return label
 
     @app.task(name="lifecycle.block", bind=True, shared=False)
     def block(self: Any, label: str, gate: str) -> str:
         """Run until gate ``gate`` is opened (``helpers.open_gate``, table ``<ledger>_gate``)."""
-        run = start(self, label)
-        wait_gate(dsn, schema, gate, GATE_LIMIT, table=f"{ledger}_gate")
-        finish(run)
+        run = book.start(self, label)
+        book.wait_gate(gate, GATE_LIMIT)
+        book.finish(run)
         return label
 
     @app.task(name="lifecycle.poison", bind=True, shared=False)
     def poison(self: Any, label: str) -> None:
         """Kill the process running it, as a segfault or the OOM killer would."""
-        start(self, label)
+        book.start(self, label)
         os.kill(os.getpid(), signal.SIGKILL)
 
     return app

@@ -13,7 +13,8 @@ from typing import Any
 import psycopg
 import pytest
 from kombu import Consumer, Queue
-from lifecycle_app import create_ledger, make_app, pgqueue_cli
+from ledger import create_ledger
+from lifecycle_app import make_app, pgqueue_cli
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
 from psycopg.rows import dict_row

@@ -18,12 +18,13 @@ from typing import Any
 import celery.contrib.testing.tasks  # noqa: F401 - registers celery.ping for the ping check
 import psycopg
 import pytest
-from beat_app import Ledger, create_ledger, make_app, process_env
+from beat_app import make_app, process_env
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
 from celery.exceptions import Reject
 from celery_apps import celery_app
 from celery_workers import WorkerApp, workers
+from ledger import Ledger, create_ledger, runs
 from psycopg import sql
 from psycopg.rows import dict_row
 from waiting import wait_for
@@ -42,11 +43,6 @@ REPLY_QUEUES = "%.reply.celery.pidbox"
 def _rows(db: psycopg.Connection, query: str, schema: str, *params: Any) -> list[dict[str, Any]]:
     with db.cursor(row_factory=dict_row) as cur:
         return cur.execute(sql.SQL(query).format(s=sql.Identifier(schema)), params).fetchall()
-
-
-def runs(db: psycopg.Connection, schema: str) -> list[dict[str, Any]]:
-    """Every task execution the ledger saw, in start order."""
-    return _rows(db, "SELECT * FROM {s}.ledger ORDER BY run", schema)
 
 
 def messages(db: psycopg.Connection, schema: str) -> list[dict[str, Any]]:

@@ -15,6 +15,7 @@ import psycopg
 import pytest
 from celery_workers import Worker
 from helpers import open_gate
+from ledger import runs
 from psycopg import sql
 from psycopg.rows import dict_row
 from waiting import wait_for
@@ -22,14 +23,6 @@ from waiting import wait_for
 from kombu_pgqueue.admin import Broker
 
 pytestmark = pytest.mark.celery
-
-
-def runs(db: psycopg.Connection, schema: str) -> list[dict[str, Any]]:
-    """Every task execution the ledger saw, in start order."""
-    with db.cursor(row_factory=dict_row) as cur:
-        return cur.execute(
-            sql.SQL("SELECT * FROM {} ORDER BY run").format(sql.Identifier(schema, "ledger"))
-        ).fetchall()
 
 
 def messages(db: psycopg.Connection, schema: str) -> list[dict[str, Any]]:
