@@ -5,7 +5,6 @@ sessions are named ``pgqueue[<pid>]``; every other session of these processes ge
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -14,11 +13,10 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from celery_workers import Worker, WorkerApp, workers
+from celery_workers import Worker, WorkerApp, app_env, workers
 from held_sessions import Sessions
 
 HERE = Path(__file__).resolve().parent
-TESTS = HERE.parent
 
 
 @pytest.fixture
@@ -27,15 +25,10 @@ def sessions(db: psycopg.Connection) -> Sessions:
 
 
 def fleet_env(dsn: str, schema: str, sessions: Sessions, **options: object) -> dict[str, str]:
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(HERE), str(TESTS), os.environ.get("PYTHONPATH", "")]),
-        "PGQUEUE_DSN": dsn,
-        "PGQUEUE_SCHEMA": schema,
-        **sessions.env(),
-    }
-    env.update({f"PGQUEUE_OPT_{k.upper()}": str(v) for k, v in options.items()})
-    return env
+    """A fleet_app process's environment: each transport option as PGQUEUE_OPT_<NAME>,
+    and the PGAPPNAME that names its sessions other than the broker's."""
+    settings = {f"opt_{name}": value for name, value in options.items()}
+    return {**app_env(HERE, dsn, schema, **settings), **sessions.env()}
 
 
 @pytest.fixture
