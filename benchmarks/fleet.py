@@ -212,6 +212,24 @@ def _publish(url: str, options: dict[str, Any], seconds: float, rate: float) -> 
     return n, took
 
 
+def _wait_empty(url: str, options: dict[str, Any], timeout: float = 180.0) -> None:
+    """Until QUEUE holds no ready message (the consumers took the rate window's), or
+    ``timeout``."""
+    from kombu import Connection, Queue
+
+    with Connection(url, transport_options=options) as conn:
+        queue = Queue(QUEUE).bind(conn.default_channel)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if queue.queue_declare(passive=True).message_count == 0:
+                    return
+            except conn.channel_errors:  # gone: nothing waits in it
+                return
+            time.sleep(0.2)
+        log(f"  fleet: {QUEUE} still held messages after {timeout:g} s")
+
+
 def _sessions(monitor: psycopg.Connection) -> int:
     """Client sessions of the cluster but ``monitor``'s (opened before the fleet: a full
     server would refuse it)."""
@@ -273,6 +291,7 @@ def _row(
     figures["rate"] = published / took if took else 0.0
     if c is not None:
         figures["cpu"] = (_server_cpu(c.datadir) - cpu0) / max(published, 1) * 1e6
+    _wait_empty(url, options)  # a backlog the rate left would delay every latency message
     consumers.latencies()
     _publish(url, options, LATENCY_SECONDS, LATENCY_RATE)
     found = sorted(consumers.latencies())
