@@ -31,55 +31,13 @@ DEADLINE_GRACE = 2.0
 #: a statement that returned rows (SELECT, or RETURNING)
 TUPLES_OK = pq.ExecStatus.TUPLES_OK
 
-#: consumer-side statements whose lost commit can only cause a redelivery
-_RELAXED = frozenset(
-    {
-        "claim",
-        "claim_after",
-        "claim_above",
-        "ack",
-        "ack_many",
-        "requeue",
-        "release",
-        "bury",
-        "renew",
-    }
-)
-
-#: statements on held messages, by id and lease: sent again when the rotation moved
-#: their row meanwhile (see _rows)
-_FENCED = frozenset({"ack", "ack_many", "requeue", "release", "bury", "renew"})
-
 #: seconds between two reads of the generation floor (see Connected.floor)
 FLOOR_READ_SECONDS = 5.0
 
-#: the statements that take the generation floor (see Connected.floor): only before
-#: these is it read again, so a role that may only monitor needs no grant for it
-_FLOORED = frozenset(
-    name for name, text in _sql.raw_queries().items() if "%(floor)s" in _sql.compact(text)
-)
-
-#: statements that go through an enlisted application transaction, if there is one
-_PUBLISHES = frozenset({"publish", "publish_replacing", "publish_many", "publish_routed"})
-
-#: a publish's deadline grows by a second for every this many bytes of its message, so
-#: that a large message is not cut off while it is sent and stored (511 MiB took 40 s
-#: on CI's embedded PostgreSQL)
+#: a publish attempt's deadline (_sql.Traits.attempt) grows by a second for every this
+#: many bytes of its message, so that a large message is not cut off while it is sent
+#: and stored (511 MiB took 40 s on CI's embedded PostgreSQL)
 PUBLISH_BYTES_PER_SECOND = 4 << 20
-
-#: what one publish attempt runs, each bounded by the publish_timeout option too
-#: (publish_many, which may carry a big batch, keeps statement_timeout alone)
-_PUBLISH_ATTEMPT = frozenset(
-    {
-        "publish",
-        "publish_replacing",
-        "publish_routed",
-        "declare_queue",
-        "declare_exchange",
-        "bind",
-        "generation_floor",
-    }
-)
 
 
 def _lost(error: Exception) -> bool:
@@ -152,6 +110,7 @@ class Connected:
         self.options = options
         self.schema = options.schema
         self._q = _sql.queries(options.schema)
+        self._traits = _sql.traits()
         user = conninfo_to_dict(conninfo).get("user")  # who is refused, in errors
         self._role = f"role {str(user)!r}" if user else "the database role"
         self._pool: ConnectionPool | None = None
@@ -224,11 +183,11 @@ class Connected:
     def _deadline(self, conn: psycopg.Connection, name: str, size: int = 0) -> Iterator[None]:
         """Statement ``name`` on ``conn``, cut off (its connection closed) when the
         server does not answer: after statement_timeout plus DEADLINE_GRACE, or, for a
-        publish attempt's statements, publish_timeout (plus a second for every
-        PUBLISH_BYTES_PER_SECOND of its ``size``) if that is sooner."""
+        publish attempt's statements (:attr:`_sql.Traits.attempt`), publish_timeout (plus
+        a second for every PUBLISH_BYTES_PER_SECOND of its ``size``) if that is sooner."""
         timeout = self.options.statement_timeout
         seconds, option = (timeout + DEADLINE_GRACE, "statement_timeout") if timeout else (0, "")
-        bound = self.options.publish_timeout if name in _PUBLISH_ATTEMPT else 0
+        bound = self.options.publish_timeout if self._traits[name].attempt else 0
         if bound:
             bound += size / PUBLISH_BYTES_PER_SECOND
         if bound and (not seconds or bound < seconds):
@@ -246,40 +205,50 @@ class Connected:
             self.schema,
             lambda: _pool.forget_schema(self.conninfo, self.schema),
             self._role,
-            publish=name in _PUBLISHES,
+            publish=self._traits[name].publish,
         )
+
+    def fill(self, name: str, params: dict[str, Any]) -> dict[str, Any]:
+        """``params`` of statement ``name`` with what its traits (:class:`_sql.Traits`)
+        take from this process: the floor as last read (unless given), the publish's
+        gate, synchronous_commit. :meth:`_rows` fills every statement it runs; a
+        statement sent by libpq's own calls (the loop's claims, pipelined publishes) is
+        filled by the code that builds it."""
+        traits = self._traits[name]
+        if traits.floor and "floor" not in params:
+            params["floor"] = self._floor
+        if traits.publish:
+            # notify only a queue somebody waits for, unless in an application's
+            # transaction (see the top of sql/queries.sql)
+            params["gate"] = transactions.current() is None
+        if traits.relaxed:
+            # the statement itself turns synchronous_commit off for its own commit
+            params["synchronous_commit"] = "off" if self.options.relax_consumer_commits else None
+        return params
 
     def _rows(
         self, name: str, params: dict[str, Any], *, prepare: bool | None = None
     ) -> list[tuple[Any, ...]]:
+        """Run statement ``name`` with ``params`` on a pooled connection (or the
+        application's enlisted transaction), as its traits (:class:`_sql.Traits`) say;
+        return its rows."""
+        traits = self._traits[name]
         own_floor = "floor" not in params
-        if own_floor:
-            params["floor"] = self._floor
-        if name in _PUBLISHES:
-            enlisted = transactions.current()
-            # notify only a queue somebody waits for, unless in an application's
-            # transaction (see the top of sql/queries.sql)
-            params["gate"] = enlisted is None
-            if enlisted is not None:
-                with self.translated(name):
-                    identity = self._q["database_identity"]
-                    return enlisted.rows(
-                        self.schema, self._q[name], params, identity=identity, broker=self.database
-                    )
-        if name in _RELAXED:
-            # the statement itself turns synchronous_commit off for its own commit
-            params["synchronous_commit"] = "off" if self.options.relax_consumer_commits else None
+        self.fill(name, params)
+        if traits.publish and (enlisted := transactions.current()) is not None:
+            with self.translated(name):
+                identity = self._q["database_identity"]
+                return enlisted.rows(
+                    self.schema, self._q[name], params, identity=identity, broker=self.database
+                )
         size = 0
-        if name in _PUBLISH_ATTEMPT and isinstance(body := params.get("body"), bytes):
+        if traits.attempt and isinstance(body := params.get("body"), bytes):
             size = len(body)  # its deadline grows with it (see _deadline)
         retried = False
         while True:
             try:
                 with self._connection(name, size) as conn:
-                    if (
-                        name in _FLOORED
-                        and time.monotonic() - self._floor_read >= FLOOR_READ_SECONDS
-                    ):
+                    if traits.floor and time.monotonic() - self._floor_read >= FLOOR_READ_SECONDS:
                         # on this connection and under this statement's deadline: its
                         # failure is the statement's
                         self._read_floor(conn)
@@ -303,8 +272,8 @@ class Connected:
             except errors.SerializationFailure:
                 # READ COMMITTED raises it only for a row that the rotation moved to
                 # another generation while this statement waited for it: the row is
-                # there, with its lease, and the statement finds it when sent again
-                if retried or name not in _FENCED:
+                # there, with its lease, and a fenced statement finds it when sent again
+                if retried or not traits.fenced:
                     raise
                 retried = True
 

@@ -77,17 +77,16 @@ class Store(Connected):
         return int(row[0]) if row else None
 
     def publish_params(self, message: Outgoing) -> dict[str, Any]:
-        """Statement publish's parameters (publish_replacing's too) but ``gate`` (see
-        :meth:`Connected._rows`)."""
+        """Statement publish's parameters (publish_replacing's too) but what
+        :meth:`Connected.fill` adds."""
         return {
             **message.params(),
             **self._handoff_params(message),
             "channel": self.options.channel,
-            "floor": self.floor,
         }
 
     def routed_params(self, exchange: str, routing_key: str, message: Outgoing) -> dict[str, Any]:
-        """Statement publish_routed's parameters but ``gate``."""
+        """Statement publish_routed's parameters but what :meth:`Connected.fill` adds."""
         return {
             **message.params(),
             **self._handoff_params(message),
@@ -208,7 +207,12 @@ class Store(Connected):
         after: tuple[int, int] | None = None,
         above: bool = False,
     ) -> ClaimRequest:
-        """A claim of up to ``limit`` messages, leased by ``lease``, ready to run."""
+        """A claim of up to ``limit`` messages, leased by ``lease``, ready to run (here,
+        or without waiting by the loop's claimer)."""
+        if after is None:
+            statement, above = "claim", False
+        else:
+            statement = "claim_above" if above else "claim_after"
         params = {
             "queue": queue,
             "limit": limit,
@@ -218,13 +222,8 @@ class Store(Connected):
             "now": now,
             "after_priority": None if after is None else after[0],
             "after_id": None if after is None else after[1],
-            "synchronous_commit": "off" if self.options.relax_consumer_commits else None,
-            "floor": self.floor,
         }
-        if after is None:
-            statement, above = "claim", False
-        else:
-            statement = "claim_above" if above else "claim_after"
+        self.fill(statement, params)
         return ClaimRequest(queue, limit, lease, statement, params, after, above)
 
     def positional(self, name: str) -> tuple[bytes, tuple[str, ...]]:
