@@ -1,7 +1,8 @@
 """How one of the broker's statements reaches the database: the shared pool, the
 statement deadline, errors translated, a pool whose server went away discarded, and
-publishes routed through an enlisted application transaction. :class:`~._store.Store`
-adds one typed method per statement.
+publishes routed through an enlisted application transaction, each statement as its
+traits say (:class:`~._sql.Traits`). :class:`~._store.Store` adds one typed method per
+statement.
 """
 
 from __future__ import annotations
@@ -127,7 +128,7 @@ class Connected:
         """The oldest generation that may hold a message, as this process last read it:
         statements on messages take it as ``%(floor)s`` and skip the generations before
         it without opening them (see the top of sql/queries.sql). It only grows, so a
-        value read a few seconds ago is safe; :meth:`_rows` reads it again every
+        value read a few seconds ago is safe; :meth:`rows` reads it again every
         FLOOR_READ_SECONDS, and statements sent otherwise (the loop's claims, pipelined
         publishes) take the value it read."""
         return self._floor
@@ -211,7 +212,7 @@ class Connected:
     def fill(self, name: str, params: dict[str, Any]) -> dict[str, Any]:
         """``params`` of statement ``name`` with what its traits (:class:`_sql.Traits`)
         take from this process: the floor as last read (unless given), the publish's
-        gate, synchronous_commit. :meth:`_rows` fills every statement it runs; a
+        gate, synchronous_commit. :meth:`rows` fills every statement it runs; a
         statement sent by libpq's own calls (the loop's claims, pipelined publishes) is
         filled by the code that builds it."""
         traits = self._traits[name]
@@ -226,12 +227,14 @@ class Connected:
             params["synchronous_commit"] = "off" if self.options.relax_consumer_commits else None
         return params
 
-    def _rows(
+    def rows(
         self, name: str, params: dict[str, Any], *, prepare: bool | None = None
     ) -> list[tuple[Any, ...]]:
         """Run statement ``name`` with ``params`` on a pooled connection (or the
         application's enlisted transaction), as its traits (:class:`_sql.Traits`) say;
-        return its rows."""
+        return its rows. The door of the typed methods over the shared pool
+        (:class:`~._store.Store`'s, :class:`~._monitor.Monitor`'s); other code calls
+        those."""
         traits = self._traits[name]
         own_floor = "floor" not in params
         self.fill(name, params)
@@ -289,7 +292,7 @@ class Connected:
     def read_floor(self, *, now: bool = False) -> None:
         """Read :attr:`floor` again if FLOOR_READ_SECONDS have passed (or ``now``: the
         rotation moved it: :meth:`Store.rotate`), for statements sent otherwise than
-        through :meth:`_rows` (pipelined publishes). A failure leaves the value as it
+        through :meth:`rows` (pipelined publishes). A failure leaves the value as it
         was: the statement that follows meets it too."""
         if not now and time.monotonic() - self._floor_read < FLOOR_READ_SECONDS:
             return
@@ -301,7 +304,7 @@ class Connected:
         self._note_floor(row)
 
     def _one(self, name: str, params: dict[str, Any]) -> tuple[Any, ...] | None:
-        rows = self._rows(name, params)
+        rows = self.rows(name, params)
         return rows[0] if rows else None
 
     def database(self, *, fresh: bool = False) -> transactions.Database:

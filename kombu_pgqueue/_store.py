@@ -1,8 +1,11 @@
-"""The only code that executes SQL: one typed method per named query.
+"""One typed method per named statement of ``sql/queries.sql`` and ``sql/archive.sql``,
+on the process's shared pool.
 
 Statements come from ``sql/*.sql`` (see :mod:`._sql`). Each method borrows a pooled
-autocommit connection for one statement (:class:`~._connected.Connected`); nothing holds
-a transaction open between calls, so acks may come from any thread.
+autocommit connection for one statement (:meth:`~._connected.Connected.rows`); nothing
+holds a transaction open between calls, so acks may come from any thread. Connections of
+their own send the same statements: the LISTEN session (:mod:`._listener`), the loop's
+claimer (:mod:`._claimer`) and the unconfirmed publisher (:mod:`._pipelined`).
 """
 
 from __future__ import annotations
@@ -152,7 +155,7 @@ class Store(Connected):
         for row in rows:
             for (name, _), value in zip(STAGING_COLUMNS, row):
                 columns[name].append(value)
-        found = self._rows("publish_many", {**columns, "channel": self.options.channel})
+        found = self.rows("publish_many", {**columns, "channel": self.options.channel})
         return int(found[0][0]) if found else 0
 
     def publish_routed(
@@ -161,7 +164,7 @@ class Store(Connected):
         """Route through the shared bindings of ``exchange``; return the queues reached
         (not those where the message's dedup key was taken), None when no binding
         matched (the message is unroutable)."""
-        rows = self._rows("publish_routed", self.routed_params(exchange, routing_key, message))
+        rows = self.rows("publish_routed", self.routed_params(exchange, routing_key, message))
         if rows and rows[0][0] is None:
             return None
         return [row[0] for row in rows]
@@ -191,7 +194,7 @@ class Store(Connected):
 
         Rows marked dead (the last column) are messages the claim moved to the dead
         letters instead: they come after the leased ones."""
-        rows = self._rows(request.statement, dict(request.params))
+        rows = self.rows(request.statement, dict(request.params))
         took = rows[-1][8] if rows else 0.0
         leased = [Delivered(*row[:8]) for row in rows if not row[9]]
         buried = tuple(Buried(row[0], row[1], row[2], row[6]) for row in rows if row[9])
@@ -234,7 +237,7 @@ class Store(Connected):
         return _sql.positional(self.schema, name)
 
     def take(self, queue: str, limit: int, now: datetime | None = None) -> list[Delivered]:
-        rows = self._rows("take", {"queue": queue, "limit": limit, "now": now})
+        rows = self.rows("take", {"queue": queue, "limit": limit, "now": now})
         rows.sort(key=lambda row: (-row[1], row[0]))
         return [Delivered(*row) for row in rows]
 
@@ -242,7 +245,7 @@ class Store(Connected):
         return self._one("ack", {"id": id, "lease": lease}) is not None
 
     def ack_many(self, ids: Sequence[int], leases: Sequence[int]) -> int:
-        return len(self._rows("ack_many", {"ids": list(ids), "leases": list(leases)}))
+        return len(self.rows("ack_many", {"ids": list(ids), "leases": list(leases)}))
 
     def requeue(self, id: int, lease: int, now: datetime | None = None) -> bool:
         params = {"id": id, "lease": lease, "channel": self.options.channel, "now": now}
@@ -260,7 +263,7 @@ class Store(Connected):
         this delivery does not count against max_attempts."""
         if ids:
             params = {"ids": list(ids), "leases": list(leases), "channel": self.options.channel}
-            self._rows("release", {**params, "now": now, "uncount": uncount})
+            self.rows("release", {**params, "now": now, "uncount": uncount})
 
     def bury(self, id: int, lease: int, reason: str, error: str | None = None) -> bool:
         params = {"id": id, "lease": lease, "reason": reason, "error": error}
@@ -277,7 +280,7 @@ class Store(Connected):
             "lease_seconds": self.options.visibility_timeout,
             "now": now,
         }
-        return {row[0] for row in self._rows("renew", params)}
+        return {row[0] for row in self.rows("renew", params)}
 
     def poll(
         self,
@@ -292,7 +295,7 @@ class Store(Connected):
         long-open snapshot elsewhere steps over every message acked since it began.
         """
         check = list(queues) if check is None else list(check)
-        rows = self._rows(
+        rows = self.rows(
             "poll",
             {"queues": list(queues), "check": check, "now": now, "channel": self.options.channel},
         )
@@ -361,7 +364,7 @@ class Store(Connected):
         message_ttl: float | None = None,
         max_priority: int | None = None,
     ) -> None:
-        self._rows(
+        self.rows(
             "declare_queue",
             {
                 "queue": queue,
@@ -394,34 +397,34 @@ class Store(Connected):
         return int(row[0]) if row else 0
 
     def declare_exchange(self, exchange: str, type: str) -> None:
-        self._rows("declare_exchange", {"exchange": exchange, "type": type})
+        self.rows("declare_exchange", {"exchange": exchange, "type": type})
 
     def exchange_type(self, exchange: str) -> str | None:
         row = self._one("exchange_type", {"exchange": exchange})
         return str(row[0]) if row else None
 
     def delete_exchange(self, exchange: str) -> None:
-        self._rows("delete_exchange", {"exchange": exchange})
+        self.rows("delete_exchange", {"exchange": exchange})
 
     def bind(self, exchange: str, routing_key: str, queue: str, pattern: str | None) -> None:
-        self._rows(
+        self.rows(
             "bind",
             {"exchange": exchange, "routing_key": routing_key, "queue": queue, "pattern": pattern},
         )
 
     def unbind(self, exchange: str, routing_key: str, queue: str) -> None:
-        self._rows("unbind", {"exchange": exchange, "routing_key": routing_key, "queue": queue})
+        self.rows("unbind", {"exchange": exchange, "routing_key": routing_key, "queue": queue})
 
     def bindings(self, exchange: str) -> list[tuple[str, str | None, str]]:
-        return [(r[0], r[1], r[2]) for r in self._rows("bindings", {"exchange": exchange})]
+        return [(r[0], r[1], r[2]) for r in self.rows("bindings", {"exchange": exchange})]
 
     def queue_stats(self) -> list[QueueStats]:
-        return [QueueStats(*row) for row in self._rows("queue_stats", {})]
+        return [QueueStats(*row) for row in self.rows("queue_stats", {})]
 
     # -- dead letters --------------------------------------------------------------
 
     def dead_letters(self, queue: str | None = None, limit: int = 100) -> list[DeadLetter]:
-        rows = self._rows("dead_letters", {"queue": queue, "limit": limit})
+        rows = self.rows("dead_letters", {"queue": queue, "limit": limit})
         return [DeadLetter(*row) for row in rows]
 
     def dead_letter(self, id: int) -> DeadLetter | None:
@@ -430,7 +433,7 @@ class Store(Connected):
 
     def requeue_dead(self, ids: Sequence[int]) -> list[str]:
         params = {"ids": list(ids), "channel": self.options.channel}
-        return [row[0] for row in self._rows("requeue_dead", params)]
+        return [row[0] for row in self.rows("requeue_dead", params)]
 
     def purge_dead(self, queue: str | None = None) -> int:
         row = self._one("purge_dead", {"queue": queue})
@@ -448,7 +451,7 @@ class Store(Connected):
         self, queue: str | None, reason: str | None, limit: int
     ) -> list[DeadLetter]:
         params = {"queue": queue, "reason": reason, "limit": limit}
-        return [DeadLetter(*row) for row in self._rows("dead_letters_where", params)]
+        return [DeadLetter(*row) for row in self.rows("dead_letters_where", params)]
 
     def dead_letter_full(self, id: int) -> DeadLetter | None:
         row = self._one("dead_letter_full", {"id": id})
