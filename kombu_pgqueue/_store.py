@@ -26,7 +26,6 @@ from ._handoffs import seal
 from .exceptions import PrivilegeError
 from .records import (
     STAGING_COLUMNS,
-    Buried,
     ClaimRequest,
     ClaimResult,
     DeadLetter,
@@ -190,16 +189,11 @@ class Store(Connected):
         return self.run_claim(self.claim_request(queue, limit, lease, now, after, above)).rows
 
     def run_claim(self, request: ClaimRequest) -> ClaimResult:
-        """Run a claim here and wait for it (the claimer sends the same without waiting).
-
-        Rows marked dead (the last column) are messages the claim moved to the dead
-        letters instead: they come after the leased ones."""
-        rows = self.rows(request.statement, dict(request.params))
-        took = rows[-1][8] if rows else 0.0
-        leased = [Delivered(*row[:8]) for row in rows if not row[9]]
-        buried = tuple(Buried(row[0], row[1], row[2], row[6]) for row in rows if row[9])
-        _counters.claimed(request.queue, leased)
-        return ClaimResult(request, leased, took, buried=buried)
+        """Run a claim here and wait for it (the claimer sends the same without waiting);
+        what it moved to the dead letters instead is the result's ``buried``."""
+        result = ClaimResult.from_rows(request, self.rows(request.statement, dict(request.params)))
+        _counters.claimed(request.queue, result.rows)
+        return result
 
     def claim_request(
         self,
