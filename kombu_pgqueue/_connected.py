@@ -8,8 +8,6 @@ statement.
 from __future__ import annotations
 
 import os
-import threading
-import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
@@ -21,6 +19,7 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 
 from . import _errors, _pool, _sql, transactions
 from ._options import Options
+from ._rotation import Generations
 from .exceptions import ServerUnavailable
 
 #: errors that mean the connection, not the statement, failed: Kombu reconnects
@@ -31,9 +30,6 @@ DEADLINE_GRACE = 2.0
 
 #: a statement that returned rows (SELECT, or RETURNING)
 TUPLES_OK = pq.ExecStatus.TUPLES_OK
-
-#: seconds between two reads of the generation floor (see Connected.floor)
-FLOOR_READ_SECONDS = 5.0
 
 #: a publish attempt's deadline (_sql.Traits.attempt) grows by a second for every this
 #: many bytes of its message, so that a large message is not cut off while it is sent
@@ -50,59 +46,6 @@ def _lost(error: Exception) -> bool:
     return sqlstate is None or sqlstate.startswith(("08", "57P"))
 
 
-class CurrentGeneration:
-    """The current generation as this process last read it (statement
-    generation_floor), and whether a snapshot held while it filled has ended.
-
-    While another session holds a snapshot (pg_dump, a long query, a standby's
-    feedback), VACUUM removes none of the rows acked since, and the generation grows
-    with them. When the snapshot ends, VACUUM makes them free space, which the dead
-    rows' count no longer shows: the generation would keep its size until its age
-    rotates it. So a VACUUM after which at least a tenth of ``generation_dead_rows``
-    rows are dead marks it ``held``, and a later one after which under a quarter of the
-    most seen then are dead asks for two rotations at the shortest interval
-    (:attr:`rotations_due`): the first makes it the previous generation, the second an
-    older one, which the rotation empties once it holds nothing.
-
-    The count is read after the VACUUM, so it also holds the rows acked since it ended
-    (up to a few seconds' worth): a generation of a busy queue may be taken as held
-    when it was not, and then rotated sooner than its age says, nothing worse; the
-    quarter of the peak leaves room for the acks of a busy queue after a VACUUM that
-    did remove the held rows.
-
-    Who writes what: :meth:`note`, on every read of the floor, under its lock: the
-    floor is read by whichever thread's statement finds it old (the consuming thread,
-    the lease keeper, the ack batcher) and by the rotation's thread (:mod:`._rotator`).
-    """
-
-    def __init__(self, dead_limit: int) -> None:
-        self._lock = threading.Lock()
-        self._held_rows = max(dead_limit // 10, 1)
-        self.gen = self.size = self.vacuums = 0
-        #: the most dead rows seen after a VACUUM while held (0: not held)
-        self.held = 0
-        #: rotations to take as soon as rotate_interval allows (Store.rotate)
-        self.rotations_due = 0
-
-    def note(self, gen: int, size: int, dead: int, vacuums: int) -> None:
-        with self._lock:
-            self._note(gen, size, dead, vacuums)
-
-    def _note(self, gen: int, size: int, dead: int, vacuums: int) -> None:
-        if gen != self.gen:
-            if self.gen and self.rotations_due:
-                self.rotations_due -= 1
-            self.gen, self.held = gen, 0
-        elif vacuums != self.vacuums:
-            # a VACUUM ended since the last read: what is dead now, it could not remove
-            # (or was acked since it ended)
-            if dead >= max(self._held_rows, self.held // 4):
-                self.held = max(self.held, dead)
-            elif self.held:
-                self.held, self.rotations_due = 0, 2
-        self.size, self.vacuums = size, vacuums
-
-
 class Connected:
     """One pgqueue schema in one database, through this process's shared pool."""
 
@@ -117,21 +60,8 @@ class Connected:
         self._pool: ConnectionPool | None = None
         self._pid = os.getpid()
         self._database: transactions.Database | None = None
-        # the oldest generation that may hold a message, as last read (0: all of them),
-        # and what was read of the current one then (Store.rotate)
-        self._floor = 0
-        self.current = CurrentGeneration(options.generation_dead_rows)
-        self._floor_read = -FLOOR_READ_SECONDS
-
-    @property
-    def floor(self) -> int:
-        """The oldest generation that may hold a message, as this process last read it:
-        statements on messages take it as ``%(floor)s`` and skip the generations before
-        it without opening them (see the top of sql/queries.sql). It only grows, so a
-        value read a few seconds ago is safe; :meth:`rows` reads it again every
-        FLOOR_READ_SECONDS, and statements sent otherwise (the loop's claims, pipelined
-        publishes) take the value it read."""
-        return self._floor
+        #: the floor and the current generation as this process last read them
+        self.generations = Generations(options.generation_dead_rows)
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -217,7 +147,7 @@ class Connected:
         filled by the code that builds it."""
         traits = self._traits[name]
         if traits.floor and "floor" not in params:
-            params["floor"] = self._floor
+            params["floor"] = self.generations.floor
         if traits.publish:
             # notify only a queue somebody waits for, unless in an application's
             # transaction (see the top of sql/queries.sql)
@@ -251,12 +181,12 @@ class Connected:
         while True:
             try:
                 with self._connection(name, size) as conn:
-                    if traits.floor and time.monotonic() - self._floor_read >= FLOOR_READ_SECONDS:
+                    if traits.floor and self.generations.stale():
                         # on this connection and under this statement's deadline: its
                         # failure is the statement's
-                        self._read_floor(conn)
+                        self.generations.note(conn.execute(self._q["generation_floor"]).fetchone())
                         if own_floor:
-                            params["floor"] = self._floor
+                            params["floor"] = self.generations.floor
                     cur = conn.execute(self._q[name], params, prepare=prepare)
                     # the result's status, not cur.description (which builds a Column per
                     # column)
@@ -280,28 +210,19 @@ class Connected:
                     raise
                 retried = True
 
-    def _read_floor(self, conn: psycopg.Connection) -> None:
-        self._note_floor(conn.execute(self._q["generation_floor"]).fetchone())
-        self._floor_read = time.monotonic()
-
-    def _note_floor(self, row: tuple[Any, ...] | None) -> None:
-        if row is not None:
-            self._floor = max(self._floor, int(row[0]))
-            self.current.note(*(int(v or 0) for v in row[1:5]))
-
     def read_floor(self, *, now: bool = False) -> None:
-        """Read :attr:`floor` again if FLOOR_READ_SECONDS have passed (or ``now``: the
-        rotation moved it: :meth:`Store.rotate`), for statements sent otherwise than
-        through :meth:`rows` (pipelined publishes). A failure leaves the value as it
-        was: the statement that follows meets it too."""
-        if not now and time.monotonic() - self._floor_read < FLOOR_READ_SECONDS:
+        """Read :attr:`generations` again if they are stale (or ``now``: the rotation
+        moved the floor: :func:`._rotation.rotate`), for statements sent otherwise than
+        through :meth:`rows` (pipelined publishes). A failure leaves them as they were:
+        the statement that follows meets it too."""
+        if not now and not self.generations.stale():
             return
-        self._floor_read = time.monotonic()
+        self.generations.reading()
         try:
             row = self._one("generation_floor", {})
         except Exception:  # noqa: BLE001 - the publish that follows says what is wrong
             return
-        self._note_floor(row)
+        self.generations.note(row)
 
     def _one(self, name: str, params: dict[str, Any]) -> tuple[Any, ...] | None:
         rows = self.rows(name, params)

@@ -23,6 +23,7 @@ from . import _counters, _pool, _sql, transactions
 from ._connected import Connected
 from ._copy import load_staged
 from ._handoffs import seal
+from ._rotation import Policy
 from .exceptions import PrivilegeError
 from .records import (
     STAGING_COLUMNS,
@@ -35,13 +36,6 @@ from .records import (
     QueueStats,
     Rotation,
 )
-
-#: messages one rotation step moves at most, per generation
-ROTATION_BATCH = 10_000
-#: generations (partitions) there may be at once; a rotation waits while there are as
-#: many. A reader keeps the generations of its own era only (migration 0014), so this
-#: is a bound that readers in turn, each locking the next era, would reach
-MAX_GENERATIONS = 64
 
 
 def driver_version() -> str:
@@ -302,51 +296,21 @@ class Store(Connected):
         keys = ("expired_messages", "expired_queues", "bindings", "queue_messages")
         return dict(zip(keys, (int(v) for v in row))) if row else {}
 
-    def rotate(self) -> Rotation:
-        """The storage's rotation, its steps in turn (function ``rotate``, which runs
-        ``rotate_<step>``, migration 0016), each a transaction of its own; a step returns
-        at once when another process is taking one."""
-        # grown past its size, or a snapshot held while it filled has ended (VACUUM made
-        # its dead rows free space, which the dead rows' count no longer shows:
-        # CurrentGeneration): the next generation starts now, and this one's space
-        # comes back when it drains
-        current = self.current
-        oversized = current.size > self.options.generation_max_bytes or current.rotations_due > 0
-        params: dict[str, Any] = {
+    def rotate_step(self, step: str, policy: Policy) -> Rotation:
+        """One step of the storage's rotation (function ``rotate``, which runs
+        ``rotate_<step>``, migration 0016), a transaction of its own; it returns at once
+        when another process is taking one. :mod:`._rotation` takes them in turn."""
+        params = {
+            "step": step,
             "channel": self.options.channel,
-            "max_age": self.options.rotate_interval
-            if oversized
-            else self.options.generation_max_age,
-            "min_age": self.options.rotate_interval,
-            "dead_limit": self.options.generation_dead_rows,
-            "batch": ROTATION_BATCH,
-            "max_generations": MAX_GENERATIONS,
+            "max_age": policy.max_age,
+            "min_age": policy.min_age,
+            "dead_limit": policy.dead_limit,
+            "batch": policy.batch,
+            "max_generations": policy.max_generations,
         }
-
-        def step(name: str) -> Rotation:
-            row = self._one("rotate", {**params, "step": name})
-            return Rotation(*row) if row else Rotation(False, 0, 0, 0)
-
-        def repeated(name: str) -> tuple[int, int]:
-            """The step again while it did something (drained or emptied one generation,
-            recycled one era's generations or the eras left with none): the messages it
-            moved, and what it did in all."""
-            moved = did = 0
-            for _ in range(MAX_GENERATIONS):
-                taken = step(name)
-                moved += taken.moved
-                if not (taken.emptied or taken.recycled):
-                    break
-                did += taken.emptied + taken.recycled
-            return moved, did
-
-        done = step("move")
-        drained_moved, _ = repeated("drain")
-        emptied_moved, emptied = repeated("empty")
-        _, recycled = repeated("recycle")
-        moved = done.moved + drained_moved + emptied_moved
-        self.read_floor(now=True)  # the drain step may have moved it
-        return Rotation(done.rotated, moved, emptied, recycled)
+        row = self._one("rotate_step", params)
+        return Rotation(*row) if row else Rotation(False, 0, 0, 0)
 
     # -- queues, exchanges, bindings ---------------------------------------------
 
