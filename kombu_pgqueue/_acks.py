@@ -26,8 +26,15 @@ GATHER_SECONDS = 0.005
 
 
 class AckBatcher:
+    """Acks gathered by any thread and deleted in batches by the batcher's own.
+
+    Who writes what: ``_store`` by :meth:`use_store` (the consuming thread, on a
+    failover); the pending ids and leases under ``_lock``; the thread by :meth:`add`,
+    :meth:`stop` and after a fork.
+    """
+
     def __init__(self, store: Store) -> None:
-        self.store = store
+        self._store = store
         self._lock = threading.Lock()
         #: held while a batch is on its way: one flush at a time
         self._flushing = threading.Lock()
@@ -37,6 +44,10 @@ class AckBatcher:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._pid = os.getpid()
+
+    def use_store(self, store: Store) -> None:
+        """Another host after a failover: the next batches go to its store."""
+        self._store = store
 
     def add(self, message_id: int, lease: int) -> None:
         if self._pid != os.getpid():
@@ -77,12 +88,12 @@ class AckBatcher:
             ids, leases = self._ids, self._leases
             self._ids, self._leases = [], []
         try:
-            done = self.store.ack_many(ids, leases)
+            done = self._store.ack_many(ids, leases)
         except psycopg.OperationalError:
             # a pooled connection the server closed (a restart): drop the dead ones and
             # try once more, so these acks are not lost to a redelivery
-            self.store.check_pool()
-            done = self.store.ack_many(ids, leases)
+            self._store.check_pool()
+            done = self._store.ack_many(ids, leases)
         self.report(done, len(ids))
         return done
 

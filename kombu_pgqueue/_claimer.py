@@ -31,20 +31,18 @@ from __future__ import annotations
 import collections
 import logging
 import select
-import struct
 import time
-from collections.abc import Callable
 from typing import Any
 
 import psycopg
 from psycopg import pq
+from psycopg.adapt import Transformer
 
 from . import _counters, _libpq, _pool
 from ._store import Store
-from .records import Buried, ClaimRequest, ClaimResult, Delivered
+from .records import ClaimRequest, ClaimResult
 
 BINARY = _libpq.BINARY
-_FLOAT8 = struct.Struct(">d")
 
 logger = logging.getLogger(__name__)
 
@@ -62,22 +60,8 @@ class Unanswered(psycopg.OperationalError):
     which still has it in flight, can take no other statement (a connection error)."""
 
 
-#: result columns of the claim statements, and the type OID each must have
-_CLAIM_COLUMN_TYPES = (20, 21, 23, 17, 25, 25, 25, 25, 701, 16)  # int8 int2 int4 bytea
-# text*4 float8 bool
-#: the column that marks a message the claim moved to the dead letters (no body)
-_DEAD = 9
-
 #: the statements a claimer sends (see Store.claim_request)
 CLAIM_STATEMENTS = ("claim", "claim_after", "claim_above")
-
-
-def _int(value: bytes) -> int:
-    return int.from_bytes(value, "big", signed=True)
-
-
-def _str(value: bytes | None) -> str | None:
-    return None if value is None else value.decode()
 
 
 class Claimer:
@@ -87,7 +71,9 @@ class Claimer:
     results, acking); the connection's socket is a reader of the loop, and when the
     answer is complete the loop builds the payloads and delivers them. One claim is in
     flight at a time; others wait in submission order. Parameters go in PostgreSQL's
-    text format (the statement gives their types) and rows come back in binary.
+    text format (the statement gives their types) and rows come back in binary, read
+    into the values the pooled path reads (psycopg's loaders, by each column's type), and
+    from those into records by :meth:`ClaimResult.from_rows`, as there.
     """
 
     def __init__(self, store: Store, session: psycopg.Connection | None = None) -> None:
@@ -105,6 +91,7 @@ class Claimer:
         self._pgconn = self._conn.pgconn
         self._fd = self._pgconn.socket
         self._encoding = self._conn.info.encoding
+        self._loaders = Transformer(self._conn)
         #: statement name -> parameter keys, of those prepared on this connection
         self._prepared: dict[str, tuple[str, ...]] = {}
         if direct and store.options.prepare_threshold is not None:
@@ -112,12 +99,9 @@ class Claimer:
         self._jobs: collections.deque[ClaimRequest] = collections.deque()
         #: the claim in flight
         self._current: ClaimRequest | None = None
-        self._rows: list[Delivered] = []
-        #: what the claim in flight moved to the dead letters
-        self._buried: tuple[Buried, ...] = ()
+        #: the rows of the claim in flight, as they arrived
+        self._rows: list[tuple[Any, ...]] = []
         self._error: BaseException | None = None
-        #: seconds the claim in flight took in the server
-        self._took = 0.0
         self._results: list[ClaimResult] = []
         self.closed = False
 
@@ -194,8 +178,7 @@ class Claimer:
         server sent first says why); nothing it did may have been committed."""
         request, error = self._current, self._error or exc
         assert request is not None
-        self._current, self._rows, self._error, self._took = None, [], None, 0.0
-        self._buried = ()
+        self._current, self._rows, self._error = None, [], None
         self._results.append(ClaimResult(request, [], error=error))
 
     def _send_next(self, raise_errors: bool) -> None:
@@ -229,7 +212,8 @@ class Claimer:
             if result is None:
                 return True
             if result.status == pq.ExecStatus.TUPLES_OK:
-                self._rows, self._buried = self._load(result)
+                self._loaders.set_pgresult(result, format=BINARY)
+                self._rows = self._loaders.load_rows(0, result.ntuples, tuple)
             elif self._error is None:
                 try:
                     assert self._current is not None
@@ -238,55 +222,17 @@ class Claimer:
                     self._error = exc
         return False
 
-    def _load(self, result: pq.abc.PGresult) -> tuple[list[Delivered], tuple[Buried, ...]]:
-        """The leased messages, and those the claim moved to the dead letters."""
-        types = tuple(result.ftype(i) for i in range(result.nfields))
-        if types != _CLAIM_COLUMN_TYPES:
-            raise RuntimeError(
-                f"pgqueue: the claim statement returned columns of type OIDs {types}, "
-                f"expected {_CLAIM_COLUMN_TYPES}"
-            )
-
-        get_or_none = result.get_value
-        # the claim's columns but the content type and encoding are NOT NULL
-        get: Callable[[int, int], bytes] = get_or_none  # type: ignore[assignment]
-        n = result.ntuples
-        if n:
-            self._took = _FLOAT8.unpack(get(n - 1, 8))[0]
-        # dead rows come last (statement claim's ORDER BY); a bool is one byte
-        leased = n
-        while leased and get(leased - 1, _DEAD) != b"\x00":
-            leased -= 1
-        buried = tuple(
-            Buried(_int(get(i, 0)), _int(get(i, 1)), _int(get(i, 2)), get(i, 6).decode())
-            for i in range(leased, n)
-        )
-        return [
-            Delivered(
-                _int(get(i, 0)),
-                _int(get(i, 1)),
-                _int(get(i, 2)),
-                get(i, 3),
-                _str(get_or_none(i, 4)),
-                _str(get_or_none(i, 5)),
-                get(i, 6).decode(),
-                get(i, 7).decode(),
-            )
-            for i in range(leased)
-        ], buried
-
     def _finish(self) -> None:
         request, self._current = self._current, None
         assert request is not None
         rows, self._rows = self._rows, []
-        buried, self._buried = self._buried, ()
         error, self._error = self._error, None
-        took, self._took = self._took, 0.0
         if error:  # nothing it says was done may have been committed
-            rows, buried = [], ()
-        else:
-            _counters.claimed(request.queue, rows)
-        self._results.append(ClaimResult(request, rows, took, error, buried))
+            self._results.append(ClaimResult(request, [], error=error))
+            return
+        result = ClaimResult.from_rows(request, rows)
+        _counters.claimed(request.queue, result.rows)
+        self._results.append(result)
 
     def close(self) -> list[ClaimResult]:
         """Close the connection; a claim in flight is awaited (CLOSE_WAIT_SECONDS).

@@ -1,14 +1,13 @@
 """How one of the broker's statements reaches the database: the shared pool, the
 statement deadline, errors translated, a pool whose server went away discarded, and
-publishes routed through an enlisted application transaction. :class:`~._store.Store`
-adds one typed method per statement.
+publishes routed through an enlisted application transaction, each statement as its
+traits say (:class:`~._sql.Traits`). :class:`~._store.Store` adds one typed method per
+statement.
 """
 
 from __future__ import annotations
 
 import os
-import threading
-import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
@@ -20,6 +19,7 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 
 from . import _errors, _pool, _sql, transactions
 from ._options import Options
+from ._rotation import Generations
 from .exceptions import ServerUnavailable
 
 #: errors that mean the connection, not the statement, failed: Kombu reconnects
@@ -31,55 +31,10 @@ DEADLINE_GRACE = 2.0
 #: a statement that returned rows (SELECT, or RETURNING)
 TUPLES_OK = pq.ExecStatus.TUPLES_OK
 
-#: consumer-side statements whose lost commit can only cause a redelivery
-_RELAXED = frozenset(
-    {
-        "claim",
-        "claim_after",
-        "claim_above",
-        "ack",
-        "ack_many",
-        "requeue",
-        "release",
-        "bury",
-        "renew",
-    }
-)
-
-#: statements on held messages, by id and lease: sent again when the rotation moved
-#: their row meanwhile (see _rows)
-_FENCED = frozenset({"ack", "ack_many", "requeue", "release", "bury", "renew"})
-
-#: seconds between two reads of the generation floor (see Connected.floor)
-FLOOR_READ_SECONDS = 5.0
-
-#: the statements that take the generation floor (see Connected.floor): only before
-#: these is it read again, so a role that may only monitor needs no grant for it
-_FLOORED = frozenset(
-    name for name, text in _sql.raw_queries().items() if "%(floor)s" in _sql.compact(text)
-)
-
-#: statements that go through an enlisted application transaction, if there is one
-_PUBLISHES = frozenset({"publish", "publish_replacing", "publish_many", "publish_routed"})
-
-#: a publish's deadline grows by a second for every this many bytes of its message, so
-#: that a large message is not cut off while it is sent and stored (511 MiB took 40 s
-#: on CI's embedded PostgreSQL)
+#: a publish attempt's deadline (_sql.Traits.attempt) grows by a second for every this
+#: many bytes of its message, so that a large message is not cut off while it is sent
+#: and stored (511 MiB took 40 s on CI's embedded PostgreSQL)
 PUBLISH_BYTES_PER_SECOND = 4 << 20
-
-#: what one publish attempt runs, each bounded by the publish_timeout option too
-#: (publish_many, which may carry a big batch, keeps statement_timeout alone)
-_PUBLISH_ATTEMPT = frozenset(
-    {
-        "publish",
-        "publish_replacing",
-        "publish_routed",
-        "declare_queue",
-        "declare_exchange",
-        "bind",
-        "generation_floor",
-    }
-)
 
 
 def _lost(error: Exception) -> bool:
@@ -91,59 +46,6 @@ def _lost(error: Exception) -> bool:
     return sqlstate is None or sqlstate.startswith(("08", "57P"))
 
 
-class CurrentGeneration:
-    """The current generation as this process last read it (statement
-    generation_floor), and whether a snapshot held while it filled has ended.
-
-    While another session holds a snapshot (pg_dump, a long query, a standby's
-    feedback), VACUUM removes none of the rows acked since, and the generation grows
-    with them. When the snapshot ends, VACUUM makes them free space, which the dead
-    rows' count no longer shows: the generation would keep its size until its age
-    rotates it. So a VACUUM after which at least a tenth of ``generation_dead_rows``
-    rows are dead marks it ``held``, and a later one after which under a quarter of the
-    most seen then are dead asks for two rotations at the shortest interval
-    (:attr:`rotations_due`): the first makes it the previous generation, the second an
-    older one, which the rotation empties once it holds nothing.
-
-    The count is read after the VACUUM, so it also holds the rows acked since it ended
-    (up to a few seconds' worth): a generation of a busy queue may be taken as held
-    when it was not, and then rotated sooner than its age says, nothing worse; the
-    quarter of the peak leaves room for the acks of a busy queue after a VACUUM that
-    did remove the held rows.
-
-    Who writes what: :meth:`note`, on every read of the floor, under its lock: the
-    floor is read by whichever thread's statement finds it old (the consuming thread,
-    the lease keeper, the ack batcher) and by the rotation's thread (:mod:`._rotator`).
-    """
-
-    def __init__(self, dead_limit: int) -> None:
-        self._lock = threading.Lock()
-        self._held_rows = max(dead_limit // 10, 1)
-        self.gen = self.size = self.vacuums = 0
-        #: the most dead rows seen after a VACUUM while held (0: not held)
-        self.held = 0
-        #: rotations to take as soon as rotate_interval allows (Store.rotate)
-        self.rotations_due = 0
-
-    def note(self, gen: int, size: int, dead: int, vacuums: int) -> None:
-        with self._lock:
-            self._note(gen, size, dead, vacuums)
-
-    def _note(self, gen: int, size: int, dead: int, vacuums: int) -> None:
-        if gen != self.gen:
-            if self.gen and self.rotations_due:
-                self.rotations_due -= 1
-            self.gen, self.held = gen, 0
-        elif vacuums != self.vacuums:
-            # a VACUUM ended since the last read: what is dead now, it could not remove
-            # (or was acked since it ended)
-            if dead >= max(self._held_rows, self.held // 4):
-                self.held = max(self.held, dead)
-            elif self.held:
-                self.held, self.rotations_due = 0, 2
-        self.size, self.vacuums = size, vacuums
-
-
 class Connected:
     """One pgqueue schema in one database, through this process's shared pool."""
 
@@ -152,26 +54,14 @@ class Connected:
         self.options = options
         self.schema = options.schema
         self._q = _sql.queries(options.schema)
+        self._traits = _sql.traits()
         user = conninfo_to_dict(conninfo).get("user")  # who is refused, in errors
         self._role = f"role {str(user)!r}" if user else "the database role"
         self._pool: ConnectionPool | None = None
         self._pid = os.getpid()
         self._database: transactions.Database | None = None
-        # the oldest generation that may hold a message, as last read (0: all of them),
-        # and what was read of the current one then (Store.rotate)
-        self._floor = 0
-        self.current = CurrentGeneration(options.generation_dead_rows)
-        self._floor_read = -FLOOR_READ_SECONDS
-
-    @property
-    def floor(self) -> int:
-        """The oldest generation that may hold a message, as this process last read it:
-        statements on messages take it as ``%(floor)s`` and skip the generations before
-        it without opening them (see the top of sql/queries.sql). It only grows, so a
-        value read a few seconds ago is safe; :meth:`_rows` reads it again every
-        FLOOR_READ_SECONDS, and statements sent otherwise (the loop's claims, pipelined
-        publishes) take the value it read."""
-        return self._floor
+        #: the floor and the current generation as this process last read them
+        self.generations = Generations(options.generation_dead_rows)
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -224,11 +114,11 @@ class Connected:
     def _deadline(self, conn: psycopg.Connection, name: str, size: int = 0) -> Iterator[None]:
         """Statement ``name`` on ``conn``, cut off (its connection closed) when the
         server does not answer: after statement_timeout plus DEADLINE_GRACE, or, for a
-        publish attempt's statements, publish_timeout (plus a second for every
-        PUBLISH_BYTES_PER_SECOND of its ``size``) if that is sooner."""
+        publish attempt's statements (:attr:`_sql.Traits.attempt`), publish_timeout (plus
+        a second for every PUBLISH_BYTES_PER_SECOND of its ``size``) if that is sooner."""
         timeout = self.options.statement_timeout
         seconds, option = (timeout + DEADLINE_GRACE, "statement_timeout") if timeout else (0, "")
-        bound = self.options.publish_timeout if name in _PUBLISH_ATTEMPT else 0
+        bound = self.options.publish_timeout if self._traits[name].attempt else 0
         if bound:
             bound += size / PUBLISH_BYTES_PER_SECOND
         if bound and (not seconds or bound < seconds):
@@ -246,45 +136,57 @@ class Connected:
             self.schema,
             lambda: _pool.forget_schema(self.conninfo, self.schema),
             self._role,
-            publish=name in _PUBLISHES,
+            publish=self._traits[name].publish,
         )
 
-    def _rows(
-        self, name: str, params: dict[str, Any], *, prepare: bool | None = None
-    ) -> list[tuple[Any, ...]]:
-        own_floor = "floor" not in params
-        if own_floor:
-            params["floor"] = self._floor
-        if name in _PUBLISHES:
-            enlisted = transactions.current()
+    def fill(self, name: str, params: dict[str, Any]) -> dict[str, Any]:
+        """``params`` of statement ``name`` with what its traits (:class:`_sql.Traits`)
+        take from this process: the floor as last read (unless given), the publish's
+        gate, synchronous_commit. :meth:`rows` fills every statement it runs; a
+        statement sent by libpq's own calls (the loop's claims, pipelined publishes) is
+        filled by the code that builds it."""
+        traits = self._traits[name]
+        if traits.floor and "floor" not in params:
+            params["floor"] = self.generations.floor
+        if traits.publish:
             # notify only a queue somebody waits for, unless in an application's
             # transaction (see the top of sql/queries.sql)
-            params["gate"] = enlisted is None
-            if enlisted is not None:
-                with self.translated(name):
-                    identity = self._q["database_identity"]
-                    return enlisted.rows(
-                        self.schema, self._q[name], params, identity=identity, broker=self.database
-                    )
-        if name in _RELAXED:
+            params["gate"] = transactions.current() is None
+        if traits.relaxed:
             # the statement itself turns synchronous_commit off for its own commit
             params["synchronous_commit"] = "off" if self.options.relax_consumer_commits else None
+        return params
+
+    def rows(
+        self, name: str, params: dict[str, Any], *, prepare: bool | None = None
+    ) -> list[tuple[Any, ...]]:
+        """Run statement ``name`` with ``params`` on a pooled connection (or the
+        application's enlisted transaction), as its traits (:class:`_sql.Traits`) say;
+        return its rows. The door of the typed methods over the shared pool
+        (:class:`~._store.Store`'s, :class:`~._monitor.Monitor`'s); other code calls
+        those."""
+        traits = self._traits[name]
+        own_floor = "floor" not in params
+        self.fill(name, params)
+        if traits.publish and (enlisted := transactions.current()) is not None:
+            with self.translated(name):
+                identity = self._q["database_identity"]
+                return enlisted.rows(
+                    self.schema, self._q[name], params, identity=identity, broker=self.database
+                )
         size = 0
-        if name in _PUBLISH_ATTEMPT and isinstance(body := params.get("body"), bytes):
+        if traits.attempt and isinstance(body := params.get("body"), bytes):
             size = len(body)  # its deadline grows with it (see _deadline)
         retried = False
         while True:
             try:
                 with self._connection(name, size) as conn:
-                    if (
-                        name in _FLOORED
-                        and time.monotonic() - self._floor_read >= FLOOR_READ_SECONDS
-                    ):
+                    if traits.floor and self.generations.stale():
                         # on this connection and under this statement's deadline: its
                         # failure is the statement's
-                        self._read_floor(conn)
+                        self.generations.note(conn.execute(self._q["generation_floor"]).fetchone())
                         if own_floor:
-                            params["floor"] = self._floor
+                            params["floor"] = self.generations.floor
                     cur = conn.execute(self._q[name], params, prepare=prepare)
                     # the result's status, not cur.description (which builds a Column per
                     # column)
@@ -303,36 +205,27 @@ class Connected:
             except errors.SerializationFailure:
                 # READ COMMITTED raises it only for a row that the rotation moved to
                 # another generation while this statement waited for it: the row is
-                # there, with its lease, and the statement finds it when sent again
-                if retried or name not in _FENCED:
+                # there, with its lease, and a fenced statement finds it when sent again
+                if retried or not traits.fenced:
                     raise
                 retried = True
 
-    def _read_floor(self, conn: psycopg.Connection) -> None:
-        self._note_floor(conn.execute(self._q["generation_floor"]).fetchone())
-        self._floor_read = time.monotonic()
-
-    def _note_floor(self, row: tuple[Any, ...] | None) -> None:
-        if row is not None:
-            self._floor = max(self._floor, int(row[0]))
-            self.current.note(*(int(v or 0) for v in row[1:5]))
-
     def read_floor(self, *, now: bool = False) -> None:
-        """Read :attr:`floor` again if FLOOR_READ_SECONDS have passed (or ``now``: the
-        rotation moved it: :meth:`Store.rotate`), for statements sent otherwise than
-        through :meth:`_rows` (pipelined publishes). A failure leaves the value as it
-        was: the statement that follows meets it too."""
-        if not now and time.monotonic() - self._floor_read < FLOOR_READ_SECONDS:
+        """Read :attr:`generations` again if they are stale (or ``now``: the rotation
+        moved the floor: :func:`._rotation.rotate`), for statements sent otherwise than
+        through :meth:`rows` (pipelined publishes). A failure leaves them as they were:
+        the statement that follows meets it too."""
+        if not now and not self.generations.stale():
             return
-        self._floor_read = time.monotonic()
+        self.generations.reading()
         try:
             row = self._one("generation_floor", {})
         except Exception:  # noqa: BLE001 - the publish that follows says what is wrong
             return
-        self._note_floor(row)
+        self.generations.note(row)
 
     def _one(self, name: str, params: dict[str, Any]) -> tuple[Any, ...] | None:
-        rows = self._rows(name, params)
+        rows = self.rows(name, params)
         return rows[0] if rows else None
 
     def database(self, *, fresh: bool = False) -> transactions.Database:

@@ -4,7 +4,7 @@ Four parts, arrows only downward (docs/architecture.md):
 - this Consumer: the subscriptions (queue -> the channel that consumes it, a
   :class:`~._pacing.Sink`), each channel's claims in flight and pacing
   (:mod:`._pacing`), the safety poll and sweep times, and the
-  :class:`~._rotator.Rotator`'s thread (started with the first subscription); it hands typed
+  :class:`~._rotation.Rotator`'s thread (started with the first subscription); it hands typed
   :class:`~.records.Delivery` records up through one callable (the transport turns
   them into Kombu's payloads);
 - :class:`~._wakeups.Wakeups`: the LISTEN session and what it, the poll and the claims
@@ -33,7 +33,7 @@ from ._handoffs import late
 from ._listener import Listener
 from ._options import Options
 from ._pacing import Clock, Pacing, Plan, Sink
-from ._rotator import Rotator
+from ._rotation import Rotator
 from ._settler import Settler
 from ._store import Store, new_lease
 from ._wakeups import Wakeups

@@ -19,8 +19,14 @@ Held = Callable[[], Sequence[tuple[int, int]]]
 
 
 class LeaseKeeper:
+    """Renews what ``held`` returns every ``interval`` seconds, on a thread of its own.
+
+    Who writes what: ``_store`` by :meth:`use_store` (the consuming thread, on a
+    failover); ``renewals`` by whichever thread renews.
+    """
+
     def __init__(self, store: Store, held: Held, interval: float) -> None:
-        self.store = store
+        self._store = store
         self.held = held
         self.renewals = 0
         self._thread = Periodic("pgqueue-lease-keeper", interval, self._round, at_once=False)
@@ -31,6 +37,10 @@ class LeaseKeeper:
     def stop(self) -> None:
         self._thread.stop()
 
+    def use_store(self, store: Store) -> None:
+        """Another host after a failover: the next renewals go to its store."""
+        self._store = store
+
     def renew_now(self) -> int:
         """Renew every held lease once; return how many were still ours."""
         held = list(self.held())
@@ -38,7 +48,7 @@ class LeaseKeeper:
             return 0
         ids = [message_id for message_id, _ in held]
         leases = [lease for _, lease in held]
-        kept = self.store.renew(ids, leases)
+        kept = self._store.renew(ids, leases)
         self.renewals += len(kept)
         lost = len(held) - len(kept)
         _counters.add("renewed", amount=len(kept))

@@ -115,7 +115,7 @@ class Monitor:
 
     def queue_depths(self, now: datetime | None = None) -> list[QueueDepth]:
         """Every queue with messages, dead letters or a declaration, by name."""
-        rows = self.store._rows("queue_depths", self._params(now, cap=self.cap))
+        rows = self.store.rows("queue_depths", self._params(now, cap=self.cap))
         return [
             QueueDepth(
                 queue=row[0],
@@ -133,7 +133,7 @@ class Monitor:
 
     def generations(self, now: datetime | None = None) -> list[Generation]:
         """The storage's generations, oldest first, and what keeps any from going."""
-        rows = self.store._rows("generations", self._params(now))
+        rows = self.store.rows("generations", self._params(now))
         return [
             Generation(
                 gen=int(row[0]),
@@ -148,7 +148,7 @@ class Monitor:
 
     def table_sizes(self, now: datetime | None = None) -> list[TableSize]:
         """The message and dead_letter tables: size, live and dead rows, last vacuum."""
-        rows = self.store._rows("table_sizes", self._params(now))
+        rows = self.store.rows("table_sizes", self._params(now))
         return [
             TableSize(
                 table=row[0],
@@ -162,12 +162,12 @@ class Monitor:
 
     def periodic_entries(self) -> list[Entry]:
         """The periodic entries (celery_pgqueue.beat), paused ones too, with their counts."""
-        rows = self.store._rows("periodic_entries", {"enabled_only": False})
+        rows = self.store.rows("periodic_entries", {"enabled_only": False})
         return [Entry.from_row(row) for row in rows]
 
     def beat_leader(self) -> Leader | None:
         """The leading beat, or None while none leads."""
-        rows = self.store._rows("beat_leader", {"schema": self.store.schema})
+        rows = self.store.rows("beat_leader", {"schema": self.store.schema})
         if not rows:
             return None
         node, pid, since = rows[0]

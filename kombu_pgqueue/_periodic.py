@@ -1,5 +1,5 @@
 """A step run every so often on a daemon thread of its own, until stopped: the lease
-keeper's renewals (:mod:`._leases`) and the storage's rotation (:mod:`._rotator`), which
+keeper's renewals (:mod:`._leases`) and the storage's rotation (:mod:`._rotation`), which
 must go on while the consuming thread is busy (Celery's solo pool runs a task there).
 """
 

@@ -140,7 +140,7 @@ class Pipeline:
         self._publish(sent, self._store.routed_params(exchange, routing_key, message))
 
     def _publish(self, sent: Sent, params: dict[str, Any]) -> None:
-        params["gate"] = True  # outside an application's transaction (see Connected._rows)
+        self._store.fill(sent.statement, params)
         with self._lock:
             pgconn = self._pgconn or self._open()
             try:

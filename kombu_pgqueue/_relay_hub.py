@@ -30,7 +30,7 @@ import psycopg
 from . import _pool
 from ._listener import Listener, Notified
 from ._options import Options
-from ._rotator import Rotator
+from ._rotation import Rotator
 from ._store import Store
 
 logger = logging.getLogger(__name__)

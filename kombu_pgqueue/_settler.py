@@ -169,10 +169,11 @@ class Settler:
         self.closed = False
 
     def use_store(self, store: Store) -> None:
-        self.store = self._keeper.store = store
+        self.store = store
+        self._keeper.use_store(store)
         for batcher in (self.acks, self.atomic_acks):
             if batcher is not None:
-                batcher.store = store
+                batcher.use_store(store)
 
     def keep_leases(self) -> None:
         self._keeper.start()

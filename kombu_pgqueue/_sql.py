@@ -3,12 +3,14 @@
 Each statement is written once, under a ``-- name: <name> :<kind>`` header, with
 ``{schema}`` where the schema goes. :func:`queries` composes them for one schema
 with :class:`psycopg.sql.Identifier`, so a schema name can never be read as SQL, and
-the advisory locks' keys (:data:`LOCKS`) by name.
+the advisory locks' keys (:data:`LOCKS`) by name. :func:`traits` says what each
+statement needs from the code that sends it (:class:`Traits`).
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from functools import cache
 from importlib import resources
 
@@ -77,6 +79,79 @@ def raw_queries() -> dict[str, str]:
             variants[name] = text.replace(_SLOT, unfilled["fill"] if unfilled else "")
     found.update(variants)
     return found
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Traits:
+    """What one statement needs from the code that sends it, besides its parameters'
+    values. :meth:`._connected.Connected.rows` applies each trait (and
+    :meth:`~._connected.Connected.fill` those that are parameters, for statements sent by
+    libpq's own calls); nothing else asks a statement's name what to do.
+
+    The first three are read from the statement's text: a statement that takes the
+    parameter has the trait. The last two are declared by name, in :data:`FENCED` and
+    :data:`PUBLISH_ATTEMPT`.
+    """
+
+    #: takes %(floor)s: the generation floor as this process last read it (see the top
+    #: of sql/queries.sql), which is read again first when it is old
+    floor: bool = False
+    #: takes %(gate)s: a publish. It notifies only a queue somebody waits for, unless in
+    #: an application's transaction, through which it then goes (transactions.Enlisted);
+    #: a server out of disk or memory fails it at once (_errors.translated)
+    publish: bool = False
+    #: takes %(synchronous_commit)s: a consumer's statement whose lost commit can only
+    #: cause a redelivery; it turns synchronous_commit off for its own commit when the
+    #: transport option relax_consumer_commits says so
+    relaxed: bool = False
+    #: on held messages, by id and lease: sent once more after a serialization failure,
+    #: which READ COMMITTED raises only for a row that the rotation moved to another
+    #: generation meanwhile (the row is there, with its lease)
+    fenced: bool = False
+    #: part of one publish attempt: bounded by the publish_timeout option too, which
+    #: grows with the message's body (see _connected.PUBLISH_BYTES_PER_SECOND)
+    attempt: bool = False
+
+
+#: statements on held messages, by id and lease (:attr:`Traits.fenced`)
+FENCED = frozenset({"ack", "ack_many", "requeue", "release", "bury", "renew"})
+
+#: what one publish attempt runs (:attr:`Traits.attempt`); publish_many, which may carry
+#: a big batch, keeps statement_timeout alone
+PUBLISH_ATTEMPT = frozenset(
+    {
+        "publish",
+        "publish_replacing",
+        "publish_routed",
+        "declare_queue",
+        "declare_exchange",
+        "bind",
+        "generation_floor",
+    }
+)
+
+
+@cache
+def traits() -> dict[str, Traits]:
+    """Return ``{name: Traits}`` for every named statement."""
+    texts = raw_queries()
+    unknown = (FENCED | PUBLISH_ATTEMPT) - texts.keys()
+    if unknown:
+        raise RuntimeError(f"traits declared for statements that do not exist: {sorted(unknown)}")
+
+    def takes(text: str, parameter: str) -> bool:
+        return f"%({parameter})s" in compact(text)  # not in a comment
+
+    return {
+        name: Traits(
+            floor=takes(text, "floor"),
+            publish=takes(text, "gate"),
+            relaxed=takes(text, "synchronous_commit"),
+            fenced=name in FENCED,
+            attempt=name in PUBLISH_ATTEMPT,
+        )
+        for name, text in texts.items()
+    }
 
 
 @cache

@@ -1,8 +1,11 @@
-"""The only code that executes SQL: one typed method per named query.
+"""One typed method per named statement of ``sql/queries.sql`` and ``sql/archive.sql``,
+on the process's shared pool.
 
 Statements come from ``sql/*.sql`` (see :mod:`._sql`). Each method borrows a pooled
-autocommit connection for one statement (:class:`~._connected.Connected`); nothing holds
-a transaction open between calls, so acks may come from any thread.
+autocommit connection for one statement (:meth:`~._connected.Connected.rows`); nothing
+holds a transaction open between calls, so acks may come from any thread. Connections of
+their own send the same statements: the LISTEN session (:mod:`._listener`), the loop's
+claimer (:mod:`._claimer`) and the unconfirmed publisher (:mod:`._pipelined`).
 """
 
 from __future__ import annotations
@@ -20,10 +23,10 @@ from . import _counters, _pool, _sql, transactions
 from ._connected import Connected
 from ._copy import load_staged
 from ._handoffs import seal
+from ._rotation import Policy
 from .exceptions import PrivilegeError
 from .records import (
     STAGING_COLUMNS,
-    Buried,
     ClaimRequest,
     ClaimResult,
     DeadLetter,
@@ -33,13 +36,6 @@ from .records import (
     QueueStats,
     Rotation,
 )
-
-#: messages one rotation step moves at most, per generation
-ROTATION_BATCH = 10_000
-#: generations (partitions) there may be at once; a rotation waits while there are as
-#: many. A reader keeps the generations of its own era only (migration 0014), so this
-#: is a bound that readers in turn, each locking the next era, would reach
-MAX_GENERATIONS = 64
 
 
 def driver_version() -> str:
@@ -77,17 +73,16 @@ class Store(Connected):
         return int(row[0]) if row else None
 
     def publish_params(self, message: Outgoing) -> dict[str, Any]:
-        """Statement publish's parameters (publish_replacing's too) but ``gate`` (see
-        :meth:`Connected._rows`)."""
+        """Statement publish's parameters (publish_replacing's too) but what
+        :meth:`Connected.fill` adds."""
         return {
             **message.params(),
             **self._handoff_params(message),
             "channel": self.options.channel,
-            "floor": self.floor,
         }
 
     def routed_params(self, exchange: str, routing_key: str, message: Outgoing) -> dict[str, Any]:
-        """Statement publish_routed's parameters but ``gate``."""
+        """Statement publish_routed's parameters but what :meth:`Connected.fill` adds."""
         return {
             **message.params(),
             **self._handoff_params(message),
@@ -153,7 +148,7 @@ class Store(Connected):
         for row in rows:
             for (name, _), value in zip(STAGING_COLUMNS, row):
                 columns[name].append(value)
-        found = self._rows("publish_many", {**columns, "channel": self.options.channel})
+        found = self.rows("publish_many", {**columns, "channel": self.options.channel})
         return int(found[0][0]) if found else 0
 
     def publish_routed(
@@ -162,7 +157,7 @@ class Store(Connected):
         """Route through the shared bindings of ``exchange``; return the queues reached
         (not those where the message's dedup key was taken), None when no binding
         matched (the message is unroutable)."""
-        rows = self._rows("publish_routed", self.routed_params(exchange, routing_key, message))
+        rows = self.rows("publish_routed", self.routed_params(exchange, routing_key, message))
         if rows and rows[0][0] is None:
             return None
         return [row[0] for row in rows]
@@ -188,16 +183,11 @@ class Store(Connected):
         return self.run_claim(self.claim_request(queue, limit, lease, now, after, above)).rows
 
     def run_claim(self, request: ClaimRequest) -> ClaimResult:
-        """Run a claim here and wait for it (the claimer sends the same without waiting).
-
-        Rows marked dead (the last column) are messages the claim moved to the dead
-        letters instead: they come after the leased ones."""
-        rows = self._rows(request.statement, dict(request.params))
-        took = rows[-1][8] if rows else 0.0
-        leased = [Delivered(*row[:8]) for row in rows if not row[9]]
-        buried = tuple(Buried(row[0], row[1], row[2], row[6]) for row in rows if row[9])
-        _counters.claimed(request.queue, leased)
-        return ClaimResult(request, leased, took, buried=buried)
+        """Run a claim here and wait for it (the claimer sends the same without waiting);
+        what it moved to the dead letters instead is the result's ``buried``."""
+        result = ClaimResult.from_rows(request, self.rows(request.statement, dict(request.params)))
+        _counters.claimed(request.queue, result.rows)
+        return result
 
     def claim_request(
         self,
@@ -208,7 +198,12 @@ class Store(Connected):
         after: tuple[int, int] | None = None,
         above: bool = False,
     ) -> ClaimRequest:
-        """A claim of up to ``limit`` messages, leased by ``lease``, ready to run."""
+        """A claim of up to ``limit`` messages, leased by ``lease``, ready to run (here,
+        or without waiting by the loop's claimer)."""
+        if after is None:
+            statement, above = "claim", False
+        else:
+            statement = "claim_above" if above else "claim_after"
         params = {
             "queue": queue,
             "limit": limit,
@@ -218,13 +213,8 @@ class Store(Connected):
             "now": now,
             "after_priority": None if after is None else after[0],
             "after_id": None if after is None else after[1],
-            "synchronous_commit": "off" if self.options.relax_consumer_commits else None,
-            "floor": self.floor,
         }
-        if after is None:
-            statement, above = "claim", False
-        else:
-            statement = "claim_above" if above else "claim_after"
+        self.fill(statement, params)
         return ClaimRequest(queue, limit, lease, statement, params, after, above)
 
     def positional(self, name: str) -> tuple[bytes, tuple[str, ...]]:
@@ -235,7 +225,7 @@ class Store(Connected):
         return _sql.positional(self.schema, name)
 
     def take(self, queue: str, limit: int, now: datetime | None = None) -> list[Delivered]:
-        rows = self._rows("take", {"queue": queue, "limit": limit, "now": now})
+        rows = self.rows("take", {"queue": queue, "limit": limit, "now": now})
         rows.sort(key=lambda row: (-row[1], row[0]))
         return [Delivered(*row) for row in rows]
 
@@ -243,7 +233,7 @@ class Store(Connected):
         return self._one("ack", {"id": id, "lease": lease}) is not None
 
     def ack_many(self, ids: Sequence[int], leases: Sequence[int]) -> int:
-        return len(self._rows("ack_many", {"ids": list(ids), "leases": list(leases)}))
+        return len(self.rows("ack_many", {"ids": list(ids), "leases": list(leases)}))
 
     def requeue(self, id: int, lease: int, now: datetime | None = None) -> bool:
         params = {"id": id, "lease": lease, "channel": self.options.channel, "now": now}
@@ -261,7 +251,7 @@ class Store(Connected):
         this delivery does not count against max_attempts."""
         if ids:
             params = {"ids": list(ids), "leases": list(leases), "channel": self.options.channel}
-            self._rows("release", {**params, "now": now, "uncount": uncount})
+            self.rows("release", {**params, "now": now, "uncount": uncount})
 
     def bury(self, id: int, lease: int, reason: str, error: str | None = None) -> bool:
         params = {"id": id, "lease": lease, "reason": reason, "error": error}
@@ -278,7 +268,7 @@ class Store(Connected):
             "lease_seconds": self.options.visibility_timeout,
             "now": now,
         }
-        return {row[0] for row in self._rows("renew", params)}
+        return {row[0] for row in self.rows("renew", params)}
 
     def poll(
         self,
@@ -293,7 +283,7 @@ class Store(Connected):
         long-open snapshot elsewhere steps over every message acked since it began.
         """
         check = list(queues) if check is None else list(check)
-        rows = self._rows(
+        rows = self.rows(
             "poll",
             {"queues": list(queues), "check": check, "now": now, "channel": self.options.channel},
         )
@@ -306,51 +296,21 @@ class Store(Connected):
         keys = ("expired_messages", "expired_queues", "bindings", "queue_messages")
         return dict(zip(keys, (int(v) for v in row))) if row else {}
 
-    def rotate(self) -> Rotation:
-        """The storage's rotation, its steps in turn (function ``rotate``, which runs
-        ``rotate_<step>``, migration 0016), each a transaction of its own; a step returns
-        at once when another process is taking one."""
-        # grown past its size, or a snapshot held while it filled has ended (VACUUM made
-        # its dead rows free space, which the dead rows' count no longer shows:
-        # CurrentGeneration): the next generation starts now, and this one's space
-        # comes back when it drains
-        current = self.current
-        oversized = current.size > self.options.generation_max_bytes or current.rotations_due > 0
-        params: dict[str, Any] = {
+    def rotate_step(self, step: str, policy: Policy) -> Rotation:
+        """One step of the storage's rotation (function ``rotate``, which runs
+        ``rotate_<step>``, migration 0016), a transaction of its own; it returns at once
+        when another process is taking one. :mod:`._rotation` takes them in turn."""
+        params = {
+            "step": step,
             "channel": self.options.channel,
-            "max_age": self.options.rotate_interval
-            if oversized
-            else self.options.generation_max_age,
-            "min_age": self.options.rotate_interval,
-            "dead_limit": self.options.generation_dead_rows,
-            "batch": ROTATION_BATCH,
-            "max_generations": MAX_GENERATIONS,
+            "max_age": policy.max_age,
+            "min_age": policy.min_age,
+            "dead_limit": policy.dead_limit,
+            "batch": policy.batch,
+            "max_generations": policy.max_generations,
         }
-
-        def step(name: str) -> Rotation:
-            row = self._one("rotate", {**params, "step": name})
-            return Rotation(*row) if row else Rotation(False, 0, 0, 0)
-
-        def repeated(name: str) -> tuple[int, int]:
-            """The step again while it did something (drained or emptied one generation,
-            recycled one era's generations or the eras left with none): the messages it
-            moved, and what it did in all."""
-            moved = did = 0
-            for _ in range(MAX_GENERATIONS):
-                taken = step(name)
-                moved += taken.moved
-                if not (taken.emptied or taken.recycled):
-                    break
-                did += taken.emptied + taken.recycled
-            return moved, did
-
-        done = step("move")
-        drained_moved, _ = repeated("drain")
-        emptied_moved, emptied = repeated("empty")
-        _, recycled = repeated("recycle")
-        moved = done.moved + drained_moved + emptied_moved
-        self.read_floor(now=True)  # the drain step may have moved it
-        return Rotation(done.rotated, moved, emptied, recycled)
+        row = self._one("rotate_step", params)
+        return Rotation(*row) if row else Rotation(False, 0, 0, 0)
 
     # -- queues, exchanges, bindings ---------------------------------------------
 
@@ -362,7 +322,7 @@ class Store(Connected):
         message_ttl: float | None = None,
         max_priority: int | None = None,
     ) -> None:
-        self._rows(
+        self.rows(
             "declare_queue",
             {
                 "queue": queue,
@@ -395,34 +355,34 @@ class Store(Connected):
         return int(row[0]) if row else 0
 
     def declare_exchange(self, exchange: str, type: str) -> None:
-        self._rows("declare_exchange", {"exchange": exchange, "type": type})
+        self.rows("declare_exchange", {"exchange": exchange, "type": type})
 
     def exchange_type(self, exchange: str) -> str | None:
         row = self._one("exchange_type", {"exchange": exchange})
         return str(row[0]) if row else None
 
     def delete_exchange(self, exchange: str) -> None:
-        self._rows("delete_exchange", {"exchange": exchange})
+        self.rows("delete_exchange", {"exchange": exchange})
 
     def bind(self, exchange: str, routing_key: str, queue: str, pattern: str | None) -> None:
-        self._rows(
+        self.rows(
             "bind",
             {"exchange": exchange, "routing_key": routing_key, "queue": queue, "pattern": pattern},
         )
 
     def unbind(self, exchange: str, routing_key: str, queue: str) -> None:
-        self._rows("unbind", {"exchange": exchange, "routing_key": routing_key, "queue": queue})
+        self.rows("unbind", {"exchange": exchange, "routing_key": routing_key, "queue": queue})
 
     def bindings(self, exchange: str) -> list[tuple[str, str | None, str]]:
-        return [(r[0], r[1], r[2]) for r in self._rows("bindings", {"exchange": exchange})]
+        return [(r[0], r[1], r[2]) for r in self.rows("bindings", {"exchange": exchange})]
 
     def queue_stats(self) -> list[QueueStats]:
-        return [QueueStats(*row) for row in self._rows("queue_stats", {})]
+        return [QueueStats(*row) for row in self.rows("queue_stats", {})]
 
     # -- dead letters --------------------------------------------------------------
 
     def dead_letters(self, queue: str | None = None, limit: int = 100) -> list[DeadLetter]:
-        rows = self._rows("dead_letters", {"queue": queue, "limit": limit})
+        rows = self.rows("dead_letters", {"queue": queue, "limit": limit})
         return [DeadLetter(*row) for row in rows]
 
     def dead_letter(self, id: int) -> DeadLetter | None:
@@ -431,7 +391,7 @@ class Store(Connected):
 
     def requeue_dead(self, ids: Sequence[int]) -> list[str]:
         params = {"ids": list(ids), "channel": self.options.channel}
-        return [row[0] for row in self._rows("requeue_dead", params)]
+        return [row[0] for row in self.rows("requeue_dead", params)]
 
     def purge_dead(self, queue: str | None = None) -> int:
         row = self._one("purge_dead", {"queue": queue})
@@ -449,7 +409,7 @@ class Store(Connected):
         self, queue: str | None, reason: str | None, limit: int
     ) -> list[DeadLetter]:
         params = {"queue": queue, "reason": reason, "limit": limit}
-        return [DeadLetter(*row) for row in self._rows("dead_letters_where", params)]
+        return [DeadLetter(*row) for row in self.rows("dead_letters_where", params)]
 
     def dead_letter_full(self, id: int) -> DeadLetter | None:
         row = self._one("dead_letter_full", {"id": id})

@@ -9,6 +9,7 @@ text): turning them into Kombu's dicts and back is :mod:`kombu_pgqueue.codec`'s 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -243,6 +244,12 @@ class ClaimRequest:
     above: bool = False
 
 
+#: the claim statements' columns after a :class:`Delivered`'s: the seconds the statement
+#: took in the server (on every row), and whether the row is a message it moved to the
+#: dead letters instead of leasing it (those come last, without a body)
+_TOOK, _DEAD = 8, 9
+
+
 @dataclass(frozen=True, slots=True)
 class ClaimResult:
     """What a claim brought: its rows and time in the server, or the error it met, and
@@ -253,3 +260,14 @@ class ClaimResult:
     took: float = 0.0
     error: BaseException | None = None
     buried: tuple[Buried, ...] = ()
+
+    @classmethod
+    def from_rows(cls, request: ClaimRequest, rows: Sequence[Sequence[Any]]) -> ClaimResult:
+        """The rows of ``request``'s statement (claim, claim_after or claim_above), as
+        records: where they are run and waited for (``Store.run_claim``) and where they
+        are sent without waiting (``_claimer.Claimer``), so a column is read in one
+        place."""
+        leased = [Delivered(*row[:_TOOK]) for row in rows if not row[_DEAD]]
+        # id, priority, attempts and headers: all that a buried row carries
+        buried = tuple(Buried(row[0], row[1], row[2], row[6]) for row in rows if row[_DEAD])
+        return cls(request, leased, rows[-1][_TOOK] if rows else 0.0, buried=buried)

@@ -90,6 +90,7 @@ class PgBouncer:
             f"listen_port = {port}\n"
             "unix_socket_dir =\n"
             "auth_type = any\n"
+            "admin_users = postgres\n"
             f"pool_mode = {pool_mode}\n"
             f"default_pool_size = {pool_size}\n"
             f"max_client_conn = {max_clients}\n"

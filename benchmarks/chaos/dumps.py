@@ -22,6 +22,7 @@ import psycopg
 from kombu import Connection, Producer, Queue
 from psycopg import sql
 
+from kombu_pgqueue._rotation import rotate
 from kombu_pgqueue.embedded import broker_url
 
 from . import procs
@@ -90,7 +91,7 @@ def _restore_check(dsn: str, path: Path, schema: str) -> str | None:
                     return f"restored {KEPT!r} gave {len(got)} messages ({len(set(got))} distinct)"
                 Producer(conn).publish({"k": "new"}, routing_key=KEPT)
                 for _ in range(3):
-                    conn.default_channel.store.rotate()
+                    rotate(conn.default_channel.store)
                 message = kept.get(no_ack=False)
                 if message is None or message.payload != {"k": "new"}:
                     return "a publish into the restored broker was not delivered"

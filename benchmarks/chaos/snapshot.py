@@ -15,6 +15,7 @@ from kombu import Connection, Producer
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
+from kombu_pgqueue._rotation import rotate
 from kombu_pgqueue.bulk import publish_many
 from kombu_pgqueue.embedded import broker_url
 
@@ -120,7 +121,7 @@ def _aged(dsn: str, schema: str) -> None:
     )
     try:
         for _ in range(3):
-            conn.default_channel.store.rotate()
+            rotate(conn.default_channel.store)
     finally:
         conn.release()
 

@@ -257,12 +257,13 @@ def _clean() -> None:
 def _install_driver_hooks(events: list[tuple[str, float]]) -> None:
     if BROKER == "rabbitmq":
         return
-    from kombu_pgqueue import _connected
+    from kombu_pgqueue import _connected, _sql
 
-    rows = _connected.Connected._rows
+    rows = _connected.Connected.rows
+    traits = _sql.traits()
 
     def _rows(self: Any, name: str, params: Any, **kwargs: Any) -> Any:
-        if name in _connected._PUBLISHES:
+        if traits[name].publish:
             events.append(("pub_start", time.time()))
             try:
                 return rows(self, name, params, **kwargs)
@@ -270,7 +271,7 @@ def _install_driver_hooks(events: list[tuple[str, float]]) -> None:
                 events.append(("pub_end", time.time()))
         return rows(self, name, params, **kwargs)
 
-    _connected.Connected._rows = _rows  # type: ignore[method-assign]
+    _connected.Connected.rows = _rows  # type: ignore[method-assign]
 
 
 def drive(n: int, wait: str) -> dict[str, Any]:

@@ -56,6 +56,7 @@ import psycopg
 from psycopg import sql
 from kombu_pgqueue import migrate
 from kombu_pgqueue._options import parse_options
+from kombu_pgqueue._rotation import rotate
 from kombu_pgqueue._store import Outgoing, Store, new_lease
 
 dsn, n, batch, aged = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
@@ -76,7 +77,7 @@ with psycopg.connect(dsn, autocommit=True) as conn:
     if aged:
         rotating = Store(dsn, parse_options({"schema": schema, "generation_max_age": 0}))
         for _ in range(3):
-            rotating.rotate()
+            rotate(rotating)
         rotating.pool.close()
     store = Store(dsn, parse_options({"schema": schema}))
     out = {}

@@ -13,8 +13,8 @@ the layer's own time:
 
     Celery       Task.apply_async            - kombu Producer.publish
     Kombu        Producer.publish            - the transport's Channel.basic_publish
-    transport    pgqueue Channel.basic_publish - Store._rows (its codec.outgoing apart)
-    store        Store._rows                 - psycopg Connection.execute (pool apart)
+    transport    pgqueue Channel.basic_publish - Store.rows (its codec.outgoing apart)
+    store        Store.rows                 - psycopg Connection.execute (pool apart)
     psycopg      Connection.execute          - Connection.wait
     server       Connection.wait: from sending the statement to its result (network
                  round trip, execution, commit)
@@ -123,7 +123,7 @@ def install(timers: Timers) -> None:
     timers.wrap(kombu_pgqueue.transport.Channel, "basic_publish", "channel")
     timers.wrap(kombu.transport.pyamqp.Channel, "basic_publish", "channel")
     timers.wrap(kombu_pgqueue.transport.Channel, "_outgoing", "codec")
-    timers.wrap(kombu_pgqueue._store.Store, "_rows", "store")
+    timers.wrap(kombu_pgqueue._store.Store, "rows", "store")
     timers.wrap(psycopg_pool.ConnectionPool, "getconn", "pool")
     timers.wrap(psycopg_pool.ConnectionPool, "putconn", "pool")
     timers.wrap(psycopg.Connection, "execute", "execute")
@@ -147,7 +147,7 @@ def layers(t: collections.Counter[str], n: int) -> dict[str, float]:
                 - us["store"]
                 - us["codec"],
                 "codec.outgoing (message -> row, JSON)": us["codec"],
-                "store (Store._rows, pool apart)": us["store"] - us["execute"] - us["pool"],
+                "store (Store.rows, pool apart)": us["store"] - us["execute"] - us["pool"],
                 "pool checkout + return": us["pool"],
                 "psycopg (Python side)": us["execute"] - us["server"],
                 "server (send -> result)": us["server"],

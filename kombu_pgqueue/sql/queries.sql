@@ -737,8 +737,8 @@ SELECT
 -- name: generation_floor :one
 -- The oldest generation that may hold a message: what the client passes as %(floor)s
 -- (see the top) until it reads it again; and the current generation's number, bytes,
--- dead rows and VACUUMs so far (Store.rotate: when to start the next one; see
--- _connected.CurrentGeneration). The statistics functions are PUBLIC's, like the
+-- dead rows and VACUUMs so far (when to start the next one: _rotation.Policy and
+-- CurrentGeneration). The statistics functions are PUBLIC's, like the
 -- pg_stat_* views built on them.
 SELECT
     r.oldest,
@@ -754,10 +754,10 @@ CROSS JOIN LATERAL (
     FROM {schema}.generation_seq AS s
 ) AS c;
 
--- name: rotate :one
+-- name: rotate_step :one
 -- One step of the storage's rotation, %(step)s, by whichever consumer calls first
--- (function rotate_<step>, migration 0016, says what each does). Runs as the schema's
--- owner.
+-- (function rotate_<step>, migration 0016, says what each does; _rotation takes them in
+-- turn). Runs as the schema's owner.
 SELECT rotated, moved, emptied, dropped
 FROM {schema}.rotate(
     %(step)s, %(channel)s, %(max_age)s, %(min_age)s, %(dead_limit)s, %(batch)s,

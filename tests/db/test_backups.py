@@ -20,6 +20,7 @@ from kombu import Connection, Producer, Queue
 from psycopg import sql
 
 from kombu_pgqueue import embedded
+from kombu_pgqueue._rotation import rotate
 
 KEPT = "backlog"  # a queue no one consumes until the restore
 BUSY = "busy"  # a queue drained as generations turn
@@ -62,7 +63,7 @@ def rotated(
         waiting.extend(batch)
         _publish(conn, KEPT, batch)
         _publish(conn, BUSY, [{"busy": n, "i": i} for i in range(20)])
-        conn.default_channel.store.rotate()
+        rotate(conn.default_channel.store)
         assert len(drain(conn, BUSY)) == 20
 
     for n in range(3):
@@ -118,7 +119,7 @@ def _restored_broker(
             before = set(backups.tables(db, schema))
             for n in range(6):
                 _publish(conn, BUSY, [{"after": n}])
-                conn.default_channel.store.rotate()
+                rotate(conn.default_channel.store)
                 assert drain(conn, BUSY) == [{"after": n}]
             assert backups.storage_disagreements(db, schema) == []
             assert set(backups.tables(db, schema)) >= before  # nothing dropped
@@ -184,7 +185,7 @@ def test_a_dump_whose_snapshot_is_older_than_its_sequences_restores_a_broker_tha
     conn = make_connection(generation_max_age=0)
     for n in range(3):  # generations the dump will not hold, the sequence at the last
         _publish(conn, BUSY, [{"later": n}])
-        conn.default_channel.store.rotate()
+        rotate(conn.default_channel.store)
         assert drain(conn, BUSY) == [{"later": n}]
     path = backups.dump(dsn, schema, tmp_path / "broker.dump", f"--snapshot={row[0]}")
     holder.rollback()

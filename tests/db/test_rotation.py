@@ -5,9 +5,9 @@ claims, until that reader ends. An emptied generation's table is kept and reused
 dropped. A message that would keep an old generation alive moves forward, and dedup keys
 hold across generations.
 
-Each rotation here is one call of ``Store.rotate`` (what a consumer runs every
-``rotate_interval``), with ``generation_max_age=0`` so that every call starts a new
-generation.
+Each rotation here is one round, ``_rotation.rotate`` (what a consumer's rotation thread
+runs every ``rotate_interval``), with ``generation_max_age=0`` so that every round starts a
+new generation.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from waiting import wait_for
 from celery_pgqueue.cli import storage_waits
 from celery_pgqueue.metrics import PgQueueCollector
 from kombu_pgqueue import migrate
+from kombu_pgqueue._rotation import READER_HOLD_SECONDS, STEP_LOCK_TIMEOUT, rotate
 from kombu_pgqueue.admin import Monitor
 
 QUEUE = "rot"
@@ -128,10 +129,10 @@ def test_a_drained_generation_waits_for_a_snapshot_that_may_see_its_rows(
     _publish(rotating, 300)
     holder.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
     holder.execute("SELECT count(*) FROM pg_class").fetchone()  # the snapshot is taken
-    _store(rotating).rotate()  # generation 2 is current; the 300 are in 1
+    rotate(_store(rotating))  # generation 2 is current; the 300 are in 1
     assert len(drain(rotating, QUEUE)) == 300
     for _ in range(3):
-        _store(rotating).rotate()  # 1 is drained, and would be emptied but for the snapshot
+        rotate(_store(rotating))  # 1 is drained, and would be emptied but for the snapshot
 
     assert _generations(db, schema)[1] == "drained"
     # the snapshot, as a dump's COPY reads each table, still sees every message it saw
@@ -141,14 +142,14 @@ def test_a_drained_generation_waits_for_a_snapshot_that_may_see_its_rows(
     assert drain(rotating, QUEUE) == [{"i": 0}]  # claims skip it meanwhile
 
     holder.rollback()  # the snapshot ends
-    _store(rotating).rotate()
+    rotate(_store(rotating))
     assert 1 not in _generations(db, schema)
     assert _partition_exists(db, schema, 1)
     spares = _spares(db, schema)
     assert "message_store_1" in spares
     tables = _tables(db, schema)
     for _ in range(3):
-        _store(rotating).rotate()
+        rotate(_store(rotating))
     # the next generations took spares: a table is created only when none is left
     assert _tables(db, schema) == tables
     taken = spares - _spares(db, schema)
@@ -165,7 +166,7 @@ def test_tables_listed_by_a_session_all_exist_after_generations_turn(
     store = _store(rotating)
     for _ in range(4):  # a few generations, some emptied
         _publish(rotating, 20)
-        store.rotate()
+        rotate(store)
         assert len(drain(rotating, QUEUE)) == 20
     listed = [
         name
@@ -179,7 +180,7 @@ def test_tables_listed_by_a_session_all_exist_after_generations_turn(
     assert sum(name.startswith("message_store_") for name in listed) >= 3
     for _ in range(12):  # generations drain, are emptied and recycled
         _publish(rotating, 20)
-        store.rotate()
+        rotate(store)
         assert len(drain(rotating, QUEUE)) == 20
     with holder.transaction():
         for name in listed:
@@ -202,10 +203,10 @@ def test_a_generation_a_reader_holds_a_lock_on_waits_for_it_and_claims_do_not(
             )
         )
         holder_pid = holder.info.backend_pid
-        _store(rotating).rotate()
+        rotate(_store(rotating))
         assert len(drain(rotating, QUEUE)) == 50
         for _ in range(3):
-            _store(rotating).rotate()
+            rotate(_store(rotating))
             # the queue keeps flowing: no statement waits behind the rotation
             _publish(rotating, 1)
             assert drain(rotating, QUEUE) == [{"i": 0}]
@@ -231,7 +232,7 @@ def test_a_generation_a_reader_holds_a_lock_on_waits_for_it_and_claims_do_not(
         assert _metric(monitor, "pgqueue_storage_waiting_bytes") > 0
         assert _metric(monitor, "pgqueue_storage_waiting_seconds") >= 0
 
-    _store(rotating).rotate()  # the reader ended
+    rotate(_store(rotating))  # the reader ended
     assert 1 not in _generations(db, schema)
     assert "message_store_1" in _spares(db, schema)  # kept for the next generation
     assert storage_waits(monitor.generations()) is None
@@ -259,7 +260,7 @@ def test_statements_leave_the_generations_a_dump_keeps_unopened(
     plan a prepared statement settles on: their cost does not grow with the dump."""
     store = _store(rotating)
     for _ in range(3):  # the current generation is in an era (migration 0014)
-        store.rotate()
+        rotate(store)
     with holder.transaction():
         holder.execute(
             sql.SQL("LOCK TABLE {} IN ACCESS SHARE MODE").format(
@@ -268,14 +269,14 @@ def test_statements_leave_the_generations_a_dump_keeps_unopened(
         )
         for _ in range(8):
             _publish(rotating, 1)
-            store.rotate()
+            rotate(store)
             assert drain(rotating, QUEUE) == [{"i": 0}]
         generations = _generations(db, schema)
         live = {g for g, state in generations.items() if state in ("live", "current", "next")}
         assert len(generations) - len(live) >= 3  # drained or emptied, not dropped
 
         _, keys = store.positional(name)
-        params = {k: None for k in keys} | {"channel": "c", "floor": store.floor}
+        params = {k: None for k in keys} | {"channel": "c", "floor": store.generations.floor}
         params |= {"synchronous_commit": None, "lease": 7} | _PER_MESSAGE[name]
         row = plans.generic_plan(db, schema, name, params)
     read = {
@@ -303,6 +304,28 @@ def _current(db: psycopg.Connection, schema: str) -> int:
     return next(g for g, state in _generations(db, schema).items() if state == "current")
 
 
+def test_the_steps_wait_for_locks_and_readers_as_the_policy_says(
+    rotating: Connection, db: psycopg.Connection, schema: str
+) -> None:
+    """_rotation names the two waits that function rotate and rotate_recycle write as
+    literals (a change takes a migration): the live functions say the same."""
+
+    def definition(function: str) -> str:
+        row = db.execute(
+            "SELECT pg_get_functiondef(p.oid) FROM pg_proc AS p"
+            " JOIN pg_namespace AS n ON n.oid = p.pronamespace"
+            " WHERE n.nspname = %s AND p.proname = %s",
+            (schema, function),
+        ).fetchone()
+        assert row is not None
+        return str(row[0])
+
+    lock_timeout = f"'{STEP_LOCK_TIMEOUT * 1000:g}ms'"
+    assert f"set_config('lock_timeout', {lock_timeout}, true)" in definition("rotate")
+    held = f"interval '{READER_HOLD_SECONDS:g} seconds'"
+    assert f"x.blocked_since <= now() - {held}" in definition("rotate_recycle")
+
+
 def test_an_oversized_generation_starts_the_next(
     make_connection: Callable[..., Connection], db: psycopg.Connection, schema: str
 ) -> None:
@@ -319,9 +342,9 @@ def test_an_oversized_generation_starts_the_next(
         generation_max_bytes=int(grown * 0.7), generation_max_age=3600, rotate_interval=0.1
     )
     store = _store(sized)
-    store.rotate()  # reads the current generation's bytes
+    rotate(store)  # reads the current generation's bytes
     _rotation_due(db, schema)
-    store.rotate()
+    rotate(store)
     assert _current(db, schema) == 2  # started for its size, not its age
 
 
@@ -341,7 +364,7 @@ def test_a_generation_a_snapshot_kept_from_vacuum_starts_the_next_once_the_snaps
     conn = make_connection(generation_max_age=3600, rotate_interval=0.1, generation_dead_rows=3000)
     Queue(QUEUE, channel=conn.default_channel).declare()
     store = _store(conn)
-    store.rotate()
+    rotate(store)
     held = _current(db, schema)
     vacuum = sql.SQL("VACUUM {}").format(sql.Identifier(schema, f"message_store_{held}"))
 
@@ -350,7 +373,7 @@ def test_a_generation_a_snapshot_kept_from_vacuum_starts_the_next_once_the_snaps
         reach the server after one: the callers wait for what they expect)."""
         db.execute(vacuum)
         store.read_floor(now=True)
-        return store.current
+        return store.generations.current
 
     holder.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
     holder.execute("SELECT 1")  # the snapshot, older than the acks to come
@@ -358,21 +381,21 @@ def test_a_generation_a_snapshot_kept_from_vacuum_starts_the_next_once_the_snaps
     assert len(drain(conn, QUEUE)) == 400
     wait_for(lambda: vacuumed().held, 30, "a VACUUM that leaves the acked rows dead")
     _rotation_due(db, schema)
-    store.rotate()
+    rotate(store)
     assert _current(db, schema) == held  # still held: its space cannot come back yet
 
     holder.rollback()  # the snapshot ends
     wait_for(lambda: vacuumed().rotations_due, 30, "a VACUUM that removes the acked rows")
     _rotation_due(db, schema)
-    store.rotate()
+    rotate(store)
     assert _current(db, schema) > held  # started because the snapshot ended, not for age
     _rotation_due(db, schema)
-    store.rotate()  # and again: the held one is older than the previous one now
+    rotate(store)  # and again: the held one is older than the previous one now
     assert held not in _generations(db, schema)  # it held nothing: emptied, kept for reuse
     assert f"message_store_{held}" in _spares(db, schema)
     _rotation_due(db, schema)
-    store.rotate()
-    assert store.current.rotations_due == 0  # from now on, by age (or size, dead rows)
+    rotate(store)
+    assert store.generations.current.rotations_due == 0  # from now on, by age (or size, dead rows)
 
 
 def _eras(db: psycopg.Connection, schema: str) -> dict[int, bool]:
@@ -400,7 +423,7 @@ def test_a_reader_that_holds_the_current_era_closes_it_and_generations_go_on(
     generations it did not lock are dropped as they empty (migration 0014)."""
     store = _store(rotating)
     for _ in range(3):
-        store.rotate()
+        rotate(store)
     assert len(_eras(db, schema)) == 1  # the current generation's
     with holder.transaction():
         holder.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
@@ -411,7 +434,7 @@ def test_a_reader_that_holds_the_current_era_closes_it_and_generations_go_on(
         )
         for _ in range(30):  # 30 generations started while the dump runs
             _publish(rotating, 2)
-            store.rotate()
+            rotate(store)
             assert len(drain(rotating, QUEUE)) == 2  # the queue keeps flowing
         generations = _generations(db, schema)
         # the dump's own (the era's and the two from before eras) and a few live ones;
@@ -422,7 +445,7 @@ def test_a_reader_that_holds_the_current_era_closes_it_and_generations_go_on(
         assert list(eras.values())[0] is True and list(eras.values())[-1] is False, eras
 
     for _ in range(6):  # the dump ended
-        store.rotate()
+        rotate(store)
     assert len(_generations(db, schema)) <= 4
     assert list(_eras(db, schema).values()) == [False]  # the closed one is gone
     _publish(rotating, 1)
@@ -459,7 +482,7 @@ def test_messages_that_would_pin_an_old_generation_move_forward(
     assert _gen_of(db, schema, "true") == [1, 1]
 
     for _ in range(3):
-        store.rotate()
+        rotate(store)
 
     assert _gen_of(db, schema, "true") == [3, 3]  # taken along when 1 was two behind
     assert 1 not in _generations(db, schema)
@@ -472,7 +495,7 @@ def test_a_dedup_key_holds_across_generations(
     keyed = {"headers": {"dedup_key": "once"}}
     _publish(rotating, 1, **keyed)
     for _ in range(3):
-        _store(rotating).rotate()
+        rotate(_store(rotating))
     assert _gen_of(db, schema, "dedup_key = 'once'") == [3]  # moved, still waiting
     assert 1 not in _generations(db, schema)
 
@@ -643,17 +666,17 @@ def test_a_long_task_moves_forward_as_its_lease_is_renewed(
     store = _store(rotating)
     (held,) = store.claim(QUEUE, 1, 4242)
     for _ in range(3):
-        store.rotate()
+        rotate(store)
     assert _gen_of(db, schema, "true") == [1]  # held: the rotation leaves it alone
     _publish(rotating, 5)
-    store.rotate()
+    rotate(store)
     assert len(drain(rotating, QUEUE)) == 5
-    store.rotate()  # 3 emptied, although 1 is older and live
+    rotate(store)  # 3 emptied, although 1 is older and live
     assert 3 not in _generations(db, schema)
 
     assert store.renew([held.id], [4242]) == {held.id}  # what its lease keeper sends
 
     assert _gen_of(db, schema, "true") == [6]
-    store.rotate()
+    rotate(store)
     assert 1 not in _generations(db, schema)
     assert store.ack(held.id, 4242)

@@ -118,7 +118,7 @@ def test_the_resumed_claim_starts_the_index_scan_at_the_position_in_its_generic_
         "after_priority": 0,
         "after_id": 1,
         "synchronous_commit": None,
-        "floor": store.floor,
+        "floor": store.generations.floor,
     }
     query = _sql.queries(store.schema)[statement]
     db.autocommit = True

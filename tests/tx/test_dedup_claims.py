@@ -12,6 +12,7 @@ from kombu import Connection, Queue
 from psycopg import sql
 
 from kombu_pgqueue import migrate
+from kombu_pgqueue._rotation import rotate
 
 QUEUE = "keys"
 
@@ -57,7 +58,7 @@ def test_a_key_held_before_the_upgrade_still_skips_its_duplicate(
             sql.Identifier(schema)
         )
         assert db.execute(stored).fetchall() == [(b"before the upgrade",)]
-        connection.default_channel.store.rotate()  # what a consumer does: into message_store
+        rotate(connection.default_channel.store)  # what a consumer does: into message_store
         assert len(_bodies(connection)) == 1  # the old one, taken: the key is free again
         _publish(connection, "k", "once it is gone")
         assert _bodies(connection) == [{"b": "once it is gone"}]
@@ -71,7 +72,7 @@ def test_the_previous_versions_publish_and_this_ones_agree_on_taken_keys(
     assert not _previous_publish(db, schema, "new", "previous version")
     assert _previous_publish(db, schema, "old", "previous version")
     _publish(connection, "old", "this version")
-    connection.default_channel.store.rotate()  # the previous version's message comes over
+    rotate(connection.default_channel.store)  # the previous version's message comes over
     bodies = _bodies(connection)
     assert {"b": "this version"} in bodies
     assert len(bodies) == 2  # one per key
