@@ -48,3 +48,16 @@ class Sessions:
             (names,),
         ).fetchall()
         return [name for (name,) in rows]
+
+
+def listening(db: psycopg.Connection, names: list[str]) -> int:
+    """How many of the sessions named ``names`` (application_name) wait for queues: hold
+    a shared advisory lock of statement watch's, as LISTEN sessions do."""
+    row = db.execute(
+        "SELECT count(DISTINCT l.pid) FROM pg_locks AS l JOIN pg_stat_activity AS a USING (pid)"
+        " WHERE l.locktype = 'advisory' AND l.mode = 'ShareLock'"
+        " AND a.application_name = ANY(%s)",
+        (names,),
+    ).fetchone()
+    assert row is not None
+    return int(row[0])

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 import psycopg
 import pytest
 from clusters import Cluster
+from held_sessions import listening as waiting_sessions
 from kombu import Connection, Queue
 from relay_consumers import Fleet
 from waiting import wait_for
@@ -40,16 +41,8 @@ def _names(fleet: Fleet) -> list[str]:
 
 
 def listening(db: psycopg.Connection, fleet: Fleet) -> int:
-    """How many of the fleet's sessions wait for queues (hold a shared advisory lock
-    of statement watch's: LISTEN sessions)."""
-    row = db.execute(
-        "SELECT count(DISTINCT l.pid) FROM pg_locks AS l JOIN pg_stat_activity AS a USING (pid)"
-        " WHERE l.locktype = 'advisory' AND l.mode = 'ShareLock'"
-        " AND a.application_name = ANY(%s)",
-        (_names(fleet),),
-    ).fetchone()
-    assert row is not None
-    return int(row[0])
+    """How many of the fleet's sessions are LISTEN sessions (see held_sessions)."""
+    return waiting_sessions(db, _names(fleet))
 
 
 def held(db: psycopg.Connection, fleet: Fleet) -> int:

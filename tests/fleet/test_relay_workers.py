@@ -10,6 +10,7 @@ import psycopg
 from celery_workers import Worker
 from fleet_app import make_app
 from held_sessions import Sessions, process_tree
+from held_sessions import listening as waiting_sessions
 from waiting import wait_for
 
 RELAYED = {"relay": True, "polling_interval": 60, "pool_max_idle": 1}
@@ -20,15 +21,8 @@ def _names(workers: list[Worker]) -> list[str]:
 
 
 def listening(db: psycopg.Connection, workers: list[Worker]) -> int:
-    """The workers' sessions that wait for queues (statement watch's shared locks)."""
-    row = db.execute(
-        "SELECT count(DISTINCT l.pid) FROM pg_locks AS l JOIN pg_stat_activity AS a USING (pid)"
-        " WHERE l.locktype = 'advisory' AND l.mode = 'ShareLock'"
-        " AND a.application_name = ANY(%s)",
-        (_names(workers),),
-    ).fetchone()
-    assert row is not None
-    return int(row[0])
+    """The workers' LISTEN sessions (see held_sessions)."""
+    return waiting_sessions(db, _names(workers))
 
 
 def test_workers_through_the_relay_run_tasks_and_answer_remote_control(
