@@ -217,17 +217,20 @@ def _wait_empty(url: str, options: dict[str, Any], timeout: float = 180.0) -> No
     ``timeout``."""
     from kombu import Connection, Queue
 
-    with Connection(url, transport_options=options) as conn:
-        queue = Queue(QUEUE).bind(conn.default_channel)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                if queue.queue_declare(passive=True).message_count == 0:
+    try:
+        with Connection(url, transport_options=options) as conn:
+            queue = Queue(QUEUE).bind(conn.default_channel)
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                try:
+                    if queue.queue_declare(passive=True).message_count == 0:
+                        return
+                except conn.channel_errors:  # gone: nothing waits in it
                     return
-            except conn.channel_errors:  # gone: nothing waits in it
-                return
-            time.sleep(0.2)
-        log(f"  fleet: {QUEUE} still held messages after {timeout:g} s")
+                time.sleep(0.2)
+            log(f"  fleet: {QUEUE} still held messages after {timeout:g} s")
+    except Exception as exc:  # noqa: BLE001 - the row's latency says what came of it
+        log(f"  fleet: could not look at {QUEUE}: {type(exc).__name__}: {exc}"[:200])
 
 
 def _sessions(monitor: psycopg.Connection) -> int:
