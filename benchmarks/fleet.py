@@ -29,6 +29,7 @@ order of the modes).
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import queue as stdqueue
@@ -36,6 +37,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from functools import partial
 from typing import Any
 
@@ -306,48 +308,57 @@ def _row(
 
 def bench_fleet(ctx: Ctx) -> dict[str, list[float]]:
     """The sweep, ``ctx.runs`` times; every figure a list of one value per run."""
-    _tests_on_path()
-    from pgbouncer import PgBouncer
-
     out: dict[str, list[float]] = {}
     with (
         cluster(MAX_CONNECTIONS, "bench-fleet") as c,
         psycopg.connect(c.dsn, autocommit=True) as monitor,
     ):
-        with PgBouncer.start(c.dsn, pool_mode="transaction", pool_size=BOUNCER_POOL) as bouncer:
-            direct = f"pgqueue://postgres@127.0.0.1:{c.port}/postgres"
-            targets = {
-                "direct": direct,
-                "relay": direct,
-                "pgbouncer": f"pgqueue://postgres@127.0.0.1:{bouncer.port}/postgres",
-            }
-            targets["pgbouncer_relay"] = targets["pgbouncer"]
-            for run in range(ctx.runs):
-                every = MODES + PEERS
-                for mode in every if run % 2 == 0 else tuple(reversed(every)):
-                    if mode in PEERS:
-                        _peer_rows(ctx, mode, out)
-                        continue
-                    schema = f"{ctx.prefix}_fleet_{mode}"
-                    options = {"schema": schema, "polling_interval": 5.0}
-                    if mode.endswith("relay"):
-                        options["relay"] = True
-                    consumers = Consumers(targets[mode], options)
-                    try:
-                        for n in COUNTS:
-                            log(f"  fleet {mode}: {n} idle consumers")
-                            for key, value in _row(
-                                c, partial(_sessions, monitor), targets[mode], options, consumers, n
-                            ).items():
-                                out.setdefault(f"fleet_{mode}_{key}_{n}", []).append(value)
-                        if consumers.failures:
-                            log(
-                                f"  fleet {mode}: {len(consumers.failures)} consumers could not "
-                                f"start, e.g. {consumers.failures[0]}"
-                            )
-                    finally:
-                        consumers.close()
+        for run in range(ctx.runs):
+            every = MODES + PEERS
+            for mode in every if run % 2 == 0 else tuple(reversed(every)):
+                if mode in PEERS:
+                    _peer_rows(ctx, mode, out)
+                    continue
+                with _target(c, mode) as url:
+                    _mode_rows(ctx, c, monitor, mode, url, out)
     return out
+
+
+@contextlib.contextmanager
+def _target(c: Any, mode: str) -> Iterator[str]:
+    """The URL of ``mode``: the cluster itself, or a PgBouncer of its own in front of it
+    (a new one for each mode, so that one mode's load leaves the next nothing)."""
+    if not mode.startswith("pgbouncer"):
+        yield f"pgqueue://postgres@127.0.0.1:{c.port}/postgres"
+        return
+    _tests_on_path()
+    from pgbouncer import PgBouncer
+
+    with PgBouncer.start(c.dsn, pool_mode="transaction", pool_size=BOUNCER_POOL) as bouncer:
+        yield f"pgqueue://postgres@127.0.0.1:{bouncer.port}/postgres"
+
+
+def _mode_rows(
+    ctx: Ctx, c: Any, monitor: psycopg.Connection, mode: str, url: str, out: dict[str, list[float]]
+) -> None:
+    schema = f"{ctx.prefix}_fleet_{mode}"
+    options: dict[str, Any] = {"schema": schema, "polling_interval": 5.0}
+    if mode.endswith("relay"):
+        options["relay"] = True
+    consumers = Consumers(url, options)
+    try:
+        for n in COUNTS:
+            log(f"  fleet {mode}: {n} idle consumers")
+            figures = _row(c, partial(_sessions, monitor), url, options, consumers, n)
+            for key, value in figures.items():
+                out.setdefault(f"fleet_{mode}_{key}_{n}", []).append(value)
+        if consumers.failures:
+            log(
+                f"  fleet {mode}: {len(consumers.failures)} consumers could not start, "
+                f"e.g. {consumers.failures[0]}"
+            )
+    finally:
+        consumers.close()
 
 
 def _peer_rows(ctx: Ctx, mode: str, out: dict[str, list[float]]) -> None:
