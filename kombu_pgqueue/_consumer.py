@@ -463,6 +463,15 @@ class Consumer:
         """The next due time came (the poll promotes what fell due)."""
         self.wakeups.due_passed()
 
+    def news_socket(self) -> int | None:
+        """The socket that brings news now: through the host's relay, another after its
+        hub went (the driver watches it, then calls :meth:`release_stale`)."""
+        return self.wakeups.fileno()
+
+    def release_stale(self) -> None:
+        """The driver watches :meth:`news_socket`: close the socket it watched before."""
+        self.wakeups.release_stale()
+
     def read_news(self) -> float | None:
         """Take what arrived on the news socket; seconds until a new due time, if any."""
         return _from_now(self.wakeups.read())

@@ -106,7 +106,19 @@ class LoopDriver:
 
     def _on_notified(self, fileno: int) -> None:
         self._schedule_due(self.consumer.read_news())
+        self._follow_socket()
         self._deliver()
+
+    def _follow_socket(self) -> None:
+        """Through the host's relay, news comes on another socket once its hub went:
+        watch that one, then let the old one close."""
+        fd = self.consumer.news_socket()
+        if fd != self._listen_fd and self._claim_fd != self._listen_fd:
+            _remove_reader(self.loop, self._listen_fd)
+            self._listen_fd = fd
+            if fd is not None:
+                self.loop.add_reader(fd, self._on_notified, fd)
+        self.consumer.release_stale()
 
     def _on_claimed(self, fileno: int) -> None:
         self.consumer.on_claimed()

@@ -71,8 +71,7 @@ def relay_name(conninfo: str, options: Options) -> bytes:
 
 
 class RelayLost(psycopg.OperationalError):
-    """The host's relay closed the socket: a connection error, as a lost LISTEN session's
-    (the transport reconnects, and the next session finds a hub)."""
+    """The host's relay closed the socket (the client joins the hub that follows it)."""
 
 
 class RelayClient:
@@ -93,6 +92,8 @@ class RelayClient:
         self._hub: Hub | None = None
         self._buffer = b""
         self._pid = os.getpid()
+        #: sockets of hubs that went, until the event loop stopped watching them
+        self._stale: list[socket.socket] = []
 
     def open(self) -> bool | None:
         """Join the host's relay (as its hub, if there is none) if not joined; True if
@@ -147,14 +148,37 @@ class RelayClient:
         try:
             return self._receive(timeout)
         except RelayLost:
-            self.close()
-            self.open()
-            return Notified(self.tokens, queues=set(self.consumed))
+            rejoined = self._rejoin()
+            self.release_stale()
+            return rejoined
 
     def drain(self) -> Notified:
-        """What has arrived, without blocking; RelayLost when the hub went (an event
-        loop's reader: the transport reconnects)."""
-        return self._receive(0)
+        """What has arrived, without blocking. When the hub went, join the one that
+        follows it on a new socket (claim from every queue once): the consumer's
+        connection goes on (a Celery worker does not reconnect, and restore what its
+        pool runs), and an event loop watches the new socket (:meth:`fileno`) before
+        :meth:`release_stale` closes the old one, whose number the new one cannot have
+        meanwhile."""
+        try:
+            return self._receive(0)
+        except RelayLost:
+            return self._rejoin()
+
+    def _rejoin(self) -> Notified:
+        old, self._sock = self._sock, None
+        hub, self._hub = self._hub, None
+        if old is not None and self._pid == os.getpid():
+            self._stale.append(old)
+        if hub is not None:
+            _let_go(hub)
+        self.open()
+        return Notified(self.tokens, queues=set(self.consumed))
+
+    def release_stale(self) -> None:
+        """Close the sockets of hubs that went (see :meth:`drain`)."""
+        stale, self._stale = self._stale, []
+        for sock in stale:
+            sock.close()
 
     def _receive(self, timeout: float | None) -> Notified:
         found = Notified(self.tokens)
@@ -186,9 +210,11 @@ class RelayClient:
             self._sock.settimeout(None)
             self._sock.sendall(line({op: queues}))
         except OSError as exc:
-            raise RelayLost(f"pgqueue: the host's relay went away ({exc})") from exc
+            # the hub went: the socket reads as closed next, and the rejoin says it all
+            logger.debug("pgqueue: the host's relay went away (%s)", exc)
 
     def close(self) -> None:
+        self.release_stale()
         sock, self._sock = self._sock, None
         hub, self._hub = self._hub, None
         if sock is not None and self._pid == os.getpid():

@@ -134,6 +134,12 @@ class Wakeups:
     def fileno(self) -> int | None:
         return None if self.listener is None else self.listener.fileno()
 
+    def release_stale(self) -> None:
+        """Close what the relay's client kept of a hub that went (``_relay``), once the
+        event loop watches :meth:`fileno` instead."""
+        if isinstance(self.listener, RelayClient):
+            self.listener.release_stale()
+
     def watch(self, queue: str) -> None:
         """A new subscription: notified from now on (if listening), claimed from once."""
         if self.listener is not None:

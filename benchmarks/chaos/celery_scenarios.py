@@ -331,7 +331,7 @@ def handoff(ctx: Context) -> Result:
 def relay(ctx: Context) -> Result:
     """handoff's tasks and kills, the workers relayed (transport option ``relay``): the
     host's one LISTEN session is the hub worker's, and a main process killed is the
-    hub's a third of the time; its clients find a new hub (a Celery worker reconnects)
+    hub's a third of the time; its clients join a new hub (on the same connection)
     and claim from every queue once. Nothing may be lost or run twice unexplained."""
     n = ctx.tasks or (2000 if ctx.quick else 20_000)
     return _one_by_one_under_kills(ctx, "relay", n, 17, {**KILL_OPTIONS, "relay": True})

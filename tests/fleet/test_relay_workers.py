@@ -56,5 +56,9 @@ def test_workers_through_the_relay_run_tasks_and_answer_remote_control(
         replies = app.control.inspect(timeout=5).ping() or {}
         assert len(replies) == 2, replies
         wait_for(lambda: listening(db, workers[1:]) == 1, 30, "one LISTEN session again")
+        # they joined the new hub on their connection: no reconnect, which would have
+        # handed back (and run twice) what their pools were running
+        for worker in workers[1:]:
+            assert not worker.says("Connection to broker lost"), worker.log()
     finally:
         app.close()
