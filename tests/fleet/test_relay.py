@@ -164,12 +164,17 @@ def test_the_hub_drops_a_client_that_sends_what_is_not_a_message_and_serves_the_
     fleet.until(lambda: all(fleet.got[i] for i in range(2)), 30, "a delivery to each")
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="switching to another user needs root")
 def test_a_process_of_another_user_cannot_join_the_relay(
     fleet: Fleet, broker_base_url: str, schema: str
 ) -> None:
     """Queue names travel on the relay's socket: a process of another user that finds
     its name (in /proc/net/unix, as anyone can) is refused."""
+    if os.geteuid() != 0:
+        # a database test never skips in CI: there it fails, naming what it needs
+        why = "switching to another user takes root"
+        if os.environ.get("CI"):
+            pytest.fail(f"{why}: CI runs as root", pytrace=False)
+        pytest.skip(why)
     before = _relay_addresses()
     fleet.start(range(1), _own)
     (address,) = _relay_addresses() - before
